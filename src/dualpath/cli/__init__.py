@@ -1,0 +1,1 @@
+"""The `dualpath` command line."""

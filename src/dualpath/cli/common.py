@@ -1,0 +1,92 @@
+"""Options shared by several subcommands: hardware, model and cluster selection."""
+
+from __future__ import annotations
+
+import argparse
+
+from dualpath.core.cluster import ClusterSpec
+from dualpath.core.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
+from dualpath.core.model import MODEL_PRESETS, ModelSpec, model_from_hf_config, model_preset
+from dualpath.core.units import GB
+
+
+def add_cluster_args(
+    parser: argparse.ArgumentParser,
+    default_model: str = "deepseek-v3.2",
+    default_hardware: str = "h800-deepseek",
+    default_prefill: int = 2,
+    default_decode: int = 4,
+) -> None:
+    """--model/--model-config, --hardware with overrides, --prefill-nodes, --decode-nodes."""
+    g = parser.add_argument_group("cluster")
+    g.add_argument(
+        "--model",
+        default=default_model,
+        help=f"model preset: {', '.join(MODEL_PRESETS)} (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="a HuggingFace config.json (or its folder) describing your own model; overrides --model",
+    )
+    g.add_argument(
+        "--kv-dtype-bytes",
+        type=int,
+        metavar="N",
+        help="KV-cache bytes per element for --model-config (default: the config's torch_dtype)",
+    )
+    g.add_argument(
+        "--hardware",
+        default=default_hardware,
+        help=f"node preset: {', '.join(HARDWARE_PRESETS)} (default: %(default)s)",
+    )
+    g.add_argument("--gpus-per-node", type=int, metavar="G", help="override g")
+    g.add_argument(
+        "--compute-nic-gbps", type=float, metavar="GB/S", help="override B, per GPU, in GB/s"
+    )
+    g.add_argument(
+        "--storage-nic-gbps", type=float, metavar="GB/S", help="override s*B, per node, in GB/s"
+    )
+    g.add_argument("--dram-gbps", type=float, metavar="GB/S", help="override M, per node, in GB/s")
+    g.add_argument(
+        "--prefill-nodes", type=int, default=default_prefill, metavar="P",
+        help="prefill nodes (default: %(default)s)",
+    )
+    g.add_argument(
+        "--decode-nodes", type=int, default=default_decode, metavar="D",
+        help="decode nodes (default: %(default)s)",
+    )
+
+
+def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
+    """The chosen preset with any overrides applied (validated)."""
+    hw = hardware_preset(args.hardware)
+    overrides: dict[str, object] = {}
+    if args.gpus_per_node is not None:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    if args.compute_nic_gbps is not None:
+        overrides["compute_nic_bytes_per_s"] = args.compute_nic_gbps * GB
+    if args.storage_nic_gbps is not None:
+        overrides["storage_nic_bytes_per_s"] = args.storage_nic_gbps * GB
+    if args.dram_gbps is not None:
+        overrides["dram_bytes_per_s"] = args.dram_gbps * GB
+    if overrides:
+        hw = hw.with_overrides(name=f"{hw.name}+overrides", **overrides)
+    return hw
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """--model-config if given, else the --model preset."""
+    if args.model_config:
+        return model_from_hf_config(args.model_config, kv_dtype_bytes=args.kv_dtype_bytes)
+    return model_preset(args.model)
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster the options describe (validated)."""
+    return ClusterSpec(
+        hardware=hardware_from_args(args),
+        model=model_from_args(args),
+        num_prefill_nodes=args.prefill_nodes,
+        num_decode_nodes=args.decode_nodes,
+    )

@@ -1,0 +1,1 @@
+"""Pure data shared by every layer: specs, presets, units, block hashing, analysis."""

@@ -1,0 +1,56 @@
+"""Prefix-chained block keys: `key_i = H(key_{i-1}, tokens of block i)`.
+
+A block covers `block_size` tokens. Only full blocks get keys (a trailing partial block is not
+stored), so the longest cached prefix of a prompt is a walk over its keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+
+from dualpath.core.errors import SpecError
+
+DEFAULT_BLOCK_SIZE = 64
+KEY_BYTES = 16
+ROOT_KEY = bytes(KEY_BYTES)
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of one full block given its parent's key (ROOT_KEY for the first block)."""
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    return h.digest()
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, parent: bytes = ROOT_KEY
+) -> list[bytes]:
+    """Keys of every full block of `tokens` (a trailing partial block gets none)."""
+    if block_size < 1:
+        raise SpecError("blocks", "block_size", block_size, "must be an integer >= 1")
+    keys: list[bytes] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+def full_blocks(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Number of full blocks in `num_tokens` tokens."""
+    return num_tokens // block_size
+
+
+def aligned_hit_tokens(context_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Block-aligned hit of a context fully stored before: floor(context / bs) * bs."""
+    return (context_tokens // block_size) * block_size
+
+
+def longest_prefix(keys: Iterable[bytes], is_stored: Callable[[bytes], bool]) -> int:
+    """Number of leading keys for which `is_stored` holds (the hit length in blocks)."""
+    n = 0
+    for key in keys:
+        if not is_stored(key):
+            break
+        n += 1
+    return n

@@ -1,0 +1,29 @@
+"""Errors that name what is wrong, so the CLI can print one line and exit 2."""
+
+from __future__ import annotations
+
+
+class DualPathError(Exception):
+    """Base class for user-facing errors (bad input, unknown preset, bad file)."""
+
+
+class SpecError(DualPathError, ValueError):
+    """A spec field holds an invalid value; the message names the field and the value."""
+
+    def __init__(self, owner: str, field: str, value: object, why: str) -> None:
+        self.owner = owner
+        self.field = field
+        self.value = value
+        super().__init__(f"{owner}.{field}={value!r}: {why}")
+
+
+class UnknownPresetError(DualPathError, KeyError):
+    """A preset name that is not registered; the message lists the valid names."""
+
+    def __init__(self, kind: str, name: str, valid: list[str]) -> None:
+        self.kind = kind
+        self.name = name
+        super().__init__(f"unknown {kind} preset {name!r}; valid: {', '.join(sorted(valid))}")
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])

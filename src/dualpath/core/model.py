@@ -1,0 +1,447 @@
+"""Model specs: KV-cache bytes per token and FLOPs per token, with presets and HF configs.
+
+FLOP conventions (used by the cost model and the intra-engine scheduler):
+- a matmul of an `m x k` by `k x n` costs `2*m*k*n` FLOPs;
+- "linear" FLOPs per token are `2 x` the parameters a token touches (attention projections,
+  dense FFN or the active experts of an MoE layer), embeddings and LM head excluded;
+- attention-score FLOPs of one query over `n` keys are `2 * n * heads * (d_qk + d_v)` per layer
+  (QK^T and AV). With DeepSeek Sparse Attention (DSA) a query attends `min(n, top_k)` keys, and
+  the lightning indexer scans all `n` keys at `2 * index_heads * index_head_dim` FLOPs each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from dualpath.core.errors import DualPathError, SpecError, UnknownPresetError
+from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
+
+
+class AttentionKind(str, Enum):
+    """How a model's attention stores KV and spends compute."""
+
+    MHA = "mha"
+    GQA = "gqa"
+    MLA = "mla"
+    MLA_DSA = "mla-dsa"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the cluster sees it. Frozen, validated on construction."""
+
+    name: str
+    num_layers: int
+    attention: AttentionKind
+    kv_bytes_per_token_per_layer: float
+    """KV-cache bytes one token occupies in one layer (main KV plus DSA indexer keys)."""
+    num_attention_heads: int
+    attn_qk_head_dim: int
+    """Per-head dot-product width of the prefill attention (192 for non-absorbed MLA)."""
+    attn_v_head_dim: int
+    attn_linear_params_per_layer: float
+    """Parameters of one layer's attention projections (incl. the DSA indexer's)."""
+    ffn_active_params_per_token: float
+    """FFN parameters one token touches over all layers (dense FFN or active experts)."""
+    weight_bytes: float
+    """All weights as stored for inference."""
+    dsa_top_k: int = 0
+    """Keys a query attends to with DeepSeek Sparse Attention (0: dense attention)."""
+    dsa_index_heads: int = 0
+    dsa_index_head_dim: int = 0
+    is_moe: bool = False
+    """MoE models run attention data-parallel and FFN expert-parallel across a node."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        owner = f"model[{self.name}]"
+        positive_int(owner, "num_layers", self.num_layers)
+        if not isinstance(self.attention, AttentionKind):
+            raise SpecError(owner, "attention", self.attention, "must be an AttentionKind")
+        positive(owner, "kv_bytes_per_token_per_layer", self.kv_bytes_per_token_per_layer)
+        positive_int(owner, "num_attention_heads", self.num_attention_heads)
+        positive_int(owner, "attn_qk_head_dim", self.attn_qk_head_dim)
+        positive_int(owner, "attn_v_head_dim", self.attn_v_head_dim)
+        non_negative(owner, "attn_linear_params_per_layer", self.attn_linear_params_per_layer)
+        non_negative(owner, "ffn_active_params_per_token", self.ffn_active_params_per_token)
+        positive(owner, "weight_bytes", self.weight_bytes)
+        non_negative_int(owner, "dsa_top_k", self.dsa_top_k)
+        non_negative_int(owner, "dsa_index_heads", self.dsa_index_heads)
+        non_negative_int(owner, "dsa_index_head_dim", self.dsa_index_head_dim)
+        if (self.attention is AttentionKind.MLA_DSA) != (self.dsa_top_k > 0):
+            raise SpecError(
+                owner, "dsa_top_k", self.dsa_top_k, "must be > 0 exactly when attention is mla-dsa"
+            )
+
+    # -- KV size ---------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes of one token over all layers (one Full Block row)."""
+        return self.kv_bytes_per_token_per_layer * self.num_layers
+
+    def kv_bytes(self, num_tokens: float) -> float:
+        """KV bytes of `num_tokens` tokens over all layers."""
+        return self.kv_bytes_per_token * num_tokens
+
+    # -- FLOPs -----------------------------------------------------------------------------
+    @property
+    def attn_linear_flops_per_token(self) -> float:
+        """Attention projection FLOPs of one token over all layers."""
+        return 2.0 * self.attn_linear_params_per_layer * self.num_layers
+
+    @property
+    def ffn_flops_per_token(self) -> float:
+        """FFN / MoE FLOPs of one token over all layers (active experts only)."""
+        return 2.0 * self.ffn_active_params_per_token
+
+    def attn_score_flops_per_layer(self, context_tokens: float) -> float:
+        """Score FLOPs of one query in one layer attending a context of `context_tokens`."""
+        per_key = 2.0 * self.num_attention_heads * (self.attn_qk_head_dim + self.attn_v_head_dim)
+        if self.dsa_top_k:
+            return per_key * min(context_tokens, self.dsa_top_k)
+        return per_key * context_tokens
+
+    def indexer_flops_per_layer(self, context_tokens: float) -> float:
+        """DSA lightning-indexer FLOPs of one query in one layer (0 for dense attention)."""
+        return 2.0 * self.dsa_index_heads * self.dsa_index_head_dim * context_tokens
+
+    def prefill_attention_flops(self, cached_tokens: float, new_tokens: float) -> float:
+        """Attention FLOPs (scores + indexer, all layers) to prefill `new_tokens` after
+        `cached_tokens` whose KV is already available; causal, so token i sees i+1 keys.
+
+        Closed form: dense score work is linear in context, so the sum over the new tokens is
+        `new * (cached + (new + 1) / 2)` keys; with DSA the part beyond top-k is capped.
+        """
+        if new_tokens <= 0:
+            return 0.0
+        per_key = 2.0 * self.num_attention_heads * (self.attn_qk_head_dim + self.attn_v_head_dim)
+        first, last = cached_tokens + 1.0, cached_tokens + new_tokens
+        keys = _sum_capped(first, last, float(self.dsa_top_k) if self.dsa_top_k else None)
+        index_keys = (first + last) * new_tokens / 2.0 if self.dsa_top_k else 0.0
+        per_index_key = 2.0 * self.dsa_index_heads * self.dsa_index_head_dim
+        return self.num_layers * (per_key * keys + per_index_key * index_keys)
+
+    def prefill_linear_flops(self, new_tokens: float) -> float:
+        """Projection + FFN FLOPs (all layers) for `new_tokens` tokens."""
+        return new_tokens * (self.attn_linear_flops_per_token + self.ffn_flops_per_token)
+
+    def with_overrides(self, **fields: object) -> ModelSpec:
+        """A copy with some fields replaced (validated again)."""
+        return replace(self, **fields)  # type: ignore[arg-type]
+
+    @staticmethod
+    def from_hf_config(
+        path: str | Path, kv_dtype_bytes: int | None = None, name: str | None = None
+    ) -> ModelSpec:
+        """See `model_from_hf_config`."""
+        return model_from_hf_config(path, kv_dtype_bytes, name)
+
+
+def _sum_capped(first: float, last: float, cap: float | None) -> float:
+    """Sum of min(x, cap) for x = first, first+1, ..., last (real-valued closed form)."""
+    n = last - first + 1.0
+    if cap is None or last <= cap:
+        return (first + last) * n / 2.0
+    if first >= cap:
+        return cap * n
+    below = cap - first + 1.0
+    return (first + cap) * below / 2.0 + cap * (n - below)
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+def _mla_attn_params(
+    hidden: int,
+    heads: int,
+    q_lora: int,
+    kv_lora: int,
+    qk_nope: int,
+    qk_rope: int,
+    v_dim: int,
+    index_heads: int = 0,
+    index_dim: int = 0,
+) -> float:
+    q = hidden * q_lora + q_lora * heads * (qk_nope + qk_rope) if q_lora else hidden * heads * (
+        qk_nope + qk_rope
+    )
+    kv = hidden * (kv_lora + qk_rope) + kv_lora * heads * (qk_nope + v_dim)
+    out = heads * v_dim * hidden
+    indexer = 0
+    if index_heads:
+        q_in = q_lora if q_lora else hidden
+        indexer = q_in * index_heads * index_dim + hidden * index_dim + hidden * index_heads
+    return float(q + kv + out + indexer)
+
+
+def _gqa_attn_params(hidden: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    return float(hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2)
+
+
+def _moe_ffn(
+    hidden: int,
+    num_layers: int,
+    num_dense_layers: int,
+    dense_intermediate: int,
+    moe_intermediate: int,
+    routed: int,
+    active: int,
+    shared: int,
+) -> tuple[float, float]:
+    """(active FFN params per token over all layers, total FFN params)."""
+    dense = 3 * hidden * dense_intermediate
+    expert = 3 * hidden * moe_intermediate
+    moe_layers = num_layers - num_dense_layers
+    active_params = num_dense_layers * dense + moe_layers * ((active + shared) * expert + hidden * routed)
+    total_params = num_dense_layers * dense + moe_layers * ((routed + shared) * expert + hidden * routed)
+    return float(active_params), float(total_params)
+
+
+MLA_FP8_KV_BYTES = 656
+"""FP8 MLA KV of one token in one layer: 512 FP8 latent + 16 B scales + 64 bf16 RoPE dims
+(vLLM PR #48439 summary)."""
+
+
+def _indexer_key_bytes(index_dim: int) -> int:
+    """FP8 indexer key plus one fp32 scale."""
+    return index_dim + 4
+
+
+def _deepseek_v32() -> ModelSpec:
+    hidden, layers, heads = 7168, 61, 128
+    attn = _mla_attn_params(hidden, heads, 1536, 512, 128, 64, 128, 64, 128)
+    ffn_active, ffn_total = _moe_ffn(hidden, layers, 3, 18432, 2048, 256, 8, 1)
+    total_params = attn * layers + ffn_total + 2 * 129280 * hidden
+    return ModelSpec(
+        name="deepseek-v3.2",
+        num_layers=layers,
+        attention=AttentionKind.MLA_DSA,
+        kv_bytes_per_token_per_layer=MLA_FP8_KV_BYTES + _indexer_key_bytes(128),
+        num_attention_heads=heads,
+        attn_qk_head_dim=192,
+        attn_v_head_dim=128,
+        attn_linear_params_per_layer=attn,
+        ffn_active_params_per_token=ffn_active,
+        weight_bytes=total_params,  # FP8 weights: one byte per parameter
+        dsa_top_k=2048,
+        dsa_index_heads=64,
+        dsa_index_head_dim=128,
+        is_moe=True,
+        source=(
+            "DeepSeek-V3.2 HF config: hidden 7168, 61 layers, 128 heads, MLA (q_lora 1536, "
+            "kv_lora 512, nope 128, rope 64, v 128), 3 dense layers (18432) then 256 routed + 1 "
+            "shared expert, top-8, moe 2048; DSA indexer 64x128, top-k 2048; FP8 KV 656 B + "
+            "132 B indexer key per token per layer (~48 KB/token)"
+        ),
+    )
+
+
+def _ds_27b() -> ModelSpec:
+    hidden, layers, heads = 2560, 30, 32
+    attn = _mla_attn_params(hidden, heads, 1536, 512, 128, 64, 128, 32, 64)
+    ffn_active, ffn_total = _moe_ffn(hidden, layers, 1, 12288, 1536, 72, 6, 2)
+    total_params = attn * layers + ffn_total + 2 * 129280 * hidden
+    return ModelSpec(
+        name="ds-27b",
+        num_layers=layers,
+        attention=AttentionKind.MLA_DSA,
+        kv_bytes_per_token_per_layer=MLA_FP8_KV_BYTES + _indexer_key_bytes(64),
+        num_attention_heads=heads,
+        attn_qk_head_dim=192,
+        attn_v_head_dim=128,
+        attn_linear_params_per_layer=attn,
+        ffn_active_params_per_token=ffn_active,
+        weight_bytes=total_params,
+        dsa_top_k=1024,
+        dsa_index_heads=32,
+        dsa_index_head_dim=64,
+        is_moe=True,
+        source=(
+            "paper A.2: hidden 2560, 30 layers, 32 heads, 72 routed experts (moe 1536, 6 "
+            "active, 2 shared), 1 dense layer (12288), indexer 32x64, top-k 1024; MLA dims not "
+            "given, assumed V3.2-like (inferred, ~21.7 KB/token)"
+        ),
+    )
+
+
+def _qwen25_32b() -> ModelSpec:
+    hidden, layers, heads, kv_heads, head_dim = 5120, 64, 40, 8, 128
+    attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
+    ffn = float(layers * 3 * hidden * 27648)
+    return ModelSpec(
+        name="qwen2.5-32b",
+        num_layers=layers,
+        attention=AttentionKind.GQA,
+        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
+        num_attention_heads=heads,
+        attn_qk_head_dim=head_dim,
+        attn_v_head_dim=head_dim,
+        attn_linear_params_per_layer=attn,
+        ffn_active_params_per_token=ffn,
+        weight_bytes=2.0 * (attn * layers + ffn + 2 * 152064 * hidden),
+        source="Qwen2.5-32B HF config: 64 layers, 40 heads, 8 KV heads, head dim 128, "
+        "intermediate 27648; FP16 KV (paper Table 1) = 256 KiB/token",
+    )
+
+
+def _smollm2_135m() -> ModelSpec:
+    hidden, layers, heads, kv_heads, head_dim = 576, 30, 9, 3, 64
+    attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
+    ffn = float(layers * 3 * hidden * 1536)
+    return ModelSpec(
+        name="smollm2-135m",
+        num_layers=layers,
+        attention=AttentionKind.GQA,
+        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
+        num_attention_heads=heads,
+        attn_qk_head_dim=head_dim,
+        attn_v_head_dim=head_dim,
+        attn_linear_params_per_layer=attn,
+        ffn_active_params_per_token=ffn,
+        weight_bytes=2.0 * (attn * layers + ffn + 49152 * hidden),
+        source="SmolLM2-135M-Instruct config: 30 layers, 9 heads, 3 KV heads, head dim 64, "
+        "intermediate 1536, tied embeddings; bf16 KV = 23,040 B/token",
+    )
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (_deepseek_v32(), _ds_27b(), _qwen25_32b(), _smollm2_135m())
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The named preset; UnknownPresetError lists the valid names."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError("model", name, list(MODEL_PRESETS)) from None
+
+
+# -- HuggingFace config.json -----------------------------------------------------------------
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+
+
+class ConfigError(DualPathError, ValueError):
+    """A config.json that is malformed or describes an unsupported model."""
+
+
+def _get(cfg: dict[str, Any], path: str, key: str, kind: type = int, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ConfigError(f"{path}: missing field {key!r}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{path}: field {key!r}={value!r} must be a non-negative integer")
+    return value
+
+
+def model_from_hf_config(
+    path: str | Path, kv_dtype_bytes: int | None = None, name: str | None = None
+) -> ModelSpec:
+    """Build a ModelSpec from a HuggingFace `config.json` (or the folder holding it).
+
+    Supported `model_type`s: llama, mistral, qwen2, qwen3 (GQA/MHA: KV = 2 x kv_heads x head_dim
+    x layers x dtype bytes) and deepseek_v3 / deepseek_v32 (MLA: (kv_lora_rank + rope dims) x
+    dtype bytes, or the 656 B FP8 format when `kv_dtype_bytes=1`; V3.2 adds DSA indexer keys).
+    The KV dtype defaults to the config's `torch_dtype`.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: top level must be a JSON object")
+    where = str(p)
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{where}: missing field 'model_type'")
+    dtype = cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))
+    if kv_dtype_bytes is None:
+        if dtype not in _DTYPE_BYTES:
+            raise ConfigError(f"{where}: field 'torch_dtype'={dtype!r} is not supported")
+        kv_dtype_bytes = _DTYPE_BYTES[dtype]
+    hidden = _get(cfg, where, "hidden_size")
+    layers = _get(cfg, where, "num_hidden_layers")
+    heads = _get(cfg, where, "num_attention_heads")
+    vocab = _get(cfg, where, "vocab_size", default=0)
+    label = name or str(cfg.get("_name_or_path") or model_type)
+    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        kv_heads = _get(cfg, where, "num_key_value_heads", default=heads)
+        head_dim = _get(cfg, where, "head_dim", default=hidden // max(heads, 1))
+        inter = _get(cfg, where, "intermediate_size")
+        attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
+        ffn = float(layers * 3 * hidden * inter)
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        weight_dtype = _DTYPE_BYTES.get(dtype, 2)
+        return ModelSpec(
+            name=label,
+            num_layers=layers,
+            attention=AttentionKind.MHA if kv_heads == heads else AttentionKind.GQA,
+            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_dtype_bytes,
+            num_attention_heads=heads,
+            attn_qk_head_dim=head_dim,
+            attn_v_head_dim=head_dim,
+            attn_linear_params_per_layer=attn,
+            ffn_active_params_per_token=ffn,
+            weight_bytes=weight_dtype * (attn * layers + ffn + (1 if tied else 2) * vocab * hidden),
+            source=f"from {where} ({model_type})",
+        )
+    if model_type in ("deepseek_v3", "deepseek_v32"):
+        kv_lora = _get(cfg, where, "kv_lora_rank")
+        rope = _get(cfg, where, "qk_rope_head_dim")
+        nope = _get(cfg, where, "qk_nope_head_dim")
+        v_dim = _get(cfg, where, "v_head_dim")
+        q_lora = cfg.get("q_lora_rank") or 0
+        index_topk = cfg.get("index_topk") or 0
+        index_heads = (cfg.get("index_n_heads") or 0) if index_topk else 0
+        index_dim = (cfg.get("index_head_dim") or 0) if index_topk else 0
+        if kv_dtype_bytes == 1:
+            kv = float(MLA_FP8_KV_BYTES) if (kv_lora, rope) == (512, 64) else kv_lora + 2.0 * rope
+        else:
+            kv = float((kv_lora + rope) * kv_dtype_bytes)
+        if index_topk:
+            kv += _indexer_key_bytes(index_dim)
+        attn = _mla_attn_params(hidden, heads, q_lora, kv_lora, nope, rope, v_dim, index_heads, index_dim)
+        ffn_active, ffn_total = _moe_ffn(
+            hidden,
+            layers,
+            _get(cfg, where, "first_k_dense_replace", default=0),
+            _get(cfg, where, "intermediate_size"),
+            _get(cfg, where, "moe_intermediate_size"),
+            _get(cfg, where, "n_routed_experts"),
+            _get(cfg, where, "num_experts_per_tok"),
+            _get(cfg, where, "n_shared_experts", default=0),
+        )
+        return ModelSpec(
+            name=label,
+            num_layers=layers,
+            attention=AttentionKind.MLA_DSA if index_topk else AttentionKind.MLA,
+            kv_bytes_per_token_per_layer=kv,
+            num_attention_heads=heads,
+            attn_qk_head_dim=nope + rope,
+            attn_v_head_dim=v_dim,
+            attn_linear_params_per_layer=attn,
+            ffn_active_params_per_token=ffn_active,
+            weight_bytes=attn * layers + ffn_total + 2 * vocab * hidden,
+            dsa_top_k=index_topk,
+            dsa_index_heads=index_heads,
+            dsa_index_head_dim=index_dim,
+            is_moe=True,
+            source=f"from {where} ({model_type})",
+        )
+    raise ConfigError(
+        f"{where}: field 'model_type'={model_type!r} is not supported "
+        "(supported: llama, mistral, qwen2, qwen3, deepseek_v3, deepseek_v32)"
+    )
+
+
