@@ -27,7 +27,7 @@ def add_cluster_args(
     g.add_argument(
         "--model-config",
         metavar="PATH",
-        help="a HuggingFace config.json (or its folder) describing your own model; overrides --model",
+        help="a HuggingFace config.json (or its folder) for your own model; overrides --model",
     )
     g.add_argument(
         "--kv-dtype-bytes",
@@ -49,11 +49,17 @@ def add_cluster_args(
     )
     g.add_argument("--dram-gbps", type=float, metavar="GB/S", help="override M, per node, in GB/s")
     g.add_argument(
-        "--prefill-nodes", type=int, default=default_prefill, metavar="P",
+        "--prefill-nodes",
+        type=int,
+        default=default_prefill,
+        metavar="P",
         help="prefill nodes (default: %(default)s)",
     )
     g.add_argument(
-        "--decode-nodes", type=int, default=default_decode, metavar="D",
+        "--decode-nodes",
+        type=int,
+        default=default_decode,
+        metavar="D",
         help="decode nodes (default: %(default)s)",
     )
 

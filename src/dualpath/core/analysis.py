@@ -143,7 +143,10 @@ class Analysis:
     def basic_storage_read_bytes_per_s(self) -> float:
         """What a PE-only reader gets: the prefill nodes' SNICs alone, capped the same way."""
         return (
-            self.num_prefill_nodes * self.s * self.compute_nic_bytes_per_s * self.basic_read_fraction
+            self.num_prefill_nodes
+            * self.s
+            * self.compute_nic_bytes_per_s
+            * self.basic_read_fraction
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -188,17 +191,42 @@ def _constraints(
     t_c = de_side_load * b * s / (p * g * g)
     pe_snic, de_snic = pe_side_load * s * b, de_side_load * s * b
     constraints = (
-        Constraint("pe_cnic_read", "PE compute NIC, read (PE steps 3+5)", 2 * t_p * d * g, b,
-                   "2s/g <= 1 (s <= g/2)"),
-        Constraint("pe_cnic_write", "PE compute NIC, write (PE step 4 + DE step 5)",
-                   (t_p + t_c) * d * g, b, "P/D >= s/(g-s)"),
-        Constraint("de_cnic_read", "DE compute NIC, read (PE step 8 + DE steps 3, 6)",
-                   (t_p + 2 * t_c) * p * g, b, "P/D <= (g-2s)/s"),
-        Constraint("de_cnic_write", "DE compute NIC, write (PE steps 7, 9 + DE step 7)",
-                   (2 * t_p + t_c) * p * g, b, "P/D <= (g-s)/(2s)"),
+        Constraint(
+            "pe_cnic_read",
+            "PE compute NIC, read (PE steps 3+5)",
+            2 * t_p * d * g,
+            b,
+            "2s/g <= 1 (s <= g/2)",
+        ),
+        Constraint(
+            "pe_cnic_write",
+            "PE compute NIC, write (PE step 4 + DE step 5)",
+            (t_p + t_c) * d * g,
+            b,
+            "P/D >= s/(g-s)",
+        ),
+        Constraint(
+            "de_cnic_read",
+            "DE compute NIC, read (PE step 8 + DE steps 3, 6)",
+            (t_p + 2 * t_c) * p * g,
+            b,
+            "P/D <= (g-2s)/s",
+        ),
+        Constraint(
+            "de_cnic_write",
+            "DE compute NIC, write (PE steps 7, 9 + DE step 7)",
+            (2 * t_p + t_c) * p * g,
+            b,
+            "P/D <= (g-s)/(2s)",
+        ),
         Constraint("pe_dram", "PE node DRAM, read+write (half duplex)", 2 * pe_snic, m, "2sB <= M"),
-        Constraint("de_dram", "DE node DRAM, read+write (half duplex)",
-                   3 * de_snic + 2 * pe_snic * p / d, m, "P/D <= (M/(Bs)-3)/2"),
+        Constraint(
+            "de_dram",
+            "DE node DRAM, read+write (half duplex)",
+            3 * de_snic + 2 * pe_snic * p / d,
+            m,
+            "P/D <= (M/(Bs)-3)/2",
+        ),
     )
     return t_p, t_c, constraints
 

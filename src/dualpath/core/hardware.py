@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dualpath.core.errors import SpecError, UnknownPresetError
-from dualpath.core.units import GB, GiB, MiB, TFLOPS, gbit_per_s
+from dualpath.core.units import GB, TFLOPS, GiB, MiB, gbit_per_s
 from dualpath.core.validate import positive, positive_int
 
 

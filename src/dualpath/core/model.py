@@ -154,6 +154,7 @@ def _sum_capped(first: float, last: float, cap: float | None) -> float:
 
 # -- presets ---------------------------------------------------------------------------------
 
+
 def _mla_attn_params(
     hidden: int,
     heads: int,
@@ -165,8 +166,10 @@ def _mla_attn_params(
     index_heads: int = 0,
     index_dim: int = 0,
 ) -> float:
-    q = hidden * q_lora + q_lora * heads * (qk_nope + qk_rope) if q_lora else hidden * heads * (
-        qk_nope + qk_rope
+    q = (
+        hidden * q_lora + q_lora * heads * (qk_nope + qk_rope)
+        if q_lora
+        else hidden * heads * (qk_nope + qk_rope)
     )
     kv = hidden * (kv_lora + qk_rope) + kv_lora * heads * (qk_nope + v_dim)
     out = heads * v_dim * hidden
@@ -195,8 +198,12 @@ def _moe_ffn(
     dense = 3 * hidden * dense_intermediate
     expert = 3 * hidden * moe_intermediate
     moe_layers = num_layers - num_dense_layers
-    active_params = num_dense_layers * dense + moe_layers * ((active + shared) * expert + hidden * routed)
-    total_params = num_dense_layers * dense + moe_layers * ((routed + shared) * expert + hidden * routed)
+    active_params = num_dense_layers * dense + moe_layers * (
+        (active + shared) * expert + hidden * routed
+    )
+    total_params = num_dense_layers * dense + moe_layers * (
+        (routed + shared) * expert + hidden * routed
+    )
     return float(active_params), float(total_params)
 
 
@@ -367,7 +374,7 @@ def model_from_hf_config(
         raise ConfigError(f"{where}: missing field 'model_type'")
     dtype = cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))
     if kv_dtype_bytes is None:
-        if dtype not in _DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
             raise ConfigError(f"{where}: field 'torch_dtype'={dtype!r} is not supported")
         kv_dtype_bytes = _DTYPE_BYTES[dtype]
     hidden = _get(cfg, where, "hidden_size")
@@ -382,7 +389,7 @@ def model_from_hf_config(
         attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
         ffn = float(layers * 3 * hidden * inter)
         tied = bool(cfg.get("tie_word_embeddings", False))
-        weight_dtype = _DTYPE_BYTES.get(dtype, 2)
+        weight_dtype = _DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2
         return ModelSpec(
             name=label,
             num_layers=layers,
@@ -411,7 +418,9 @@ def model_from_hf_config(
             kv = float((kv_lora + rope) * kv_dtype_bytes)
         if index_topk:
             kv += _indexer_key_bytes(index_dim)
-        attn = _mla_attn_params(hidden, heads, q_lora, kv_lora, nope, rope, v_dim, index_heads, index_dim)
+        attn = _mla_attn_params(
+            hidden, heads, q_lora, kv_lora, nope, rope, v_dim, index_heads, index_dim
+        )
         ffn_active, ffn_total = _moe_ffn(
             hidden,
             layers,
@@ -443,5 +452,3 @@ def model_from_hf_config(
         f"{where}: field 'model_type'={model_type!r} is not supported "
         "(supported: llama, mistral, qwen2, qwen3, deepseek_v3, deepseek_v32)"
     )
-
-

@@ -42,14 +42,16 @@ def render(a: Analysis, cluster: ClusterSpec) -> str:
     hw = cluster.hardware
     r = a.range
     lines = [
-        f"Bottleneck-free analysis (paper §4.2): {hw.name}, {cluster.label} (P/D = {_frac(a.pd_ratio)})",
+        f"Bottleneck-free analysis (paper §4.2): {hw.name}, {cluster.label} "
+        f"(P/D = {_frac(a.pd_ratio)})",
         f"  g = {hw.gpus_per_node} GPUs/node, B = {fmt_rate(hw.compute_nic_bytes_per_s)} per CNIC, "
         f"s*B = {fmt_rate(hw.storage_nic_bytes_per_s)} per SNIC (s = {a.s:.3g}), "
         f"M = {fmt_rate(hw.dram_bytes_per_s)}",
         f"  per-pair traffic: T_p = {fmt_rate(a.t_p_bytes_per_s)} (PE path), "
         f"T_c = {fmt_rate(a.t_c_bytes_per_s)} (DE path)",
         "",
-        f"  range: s/(g-s) = {_frac(r.lower)} <= P/D <= min{{ (g-2s)/s = {_frac(r.upper_de_cnic_read)}, "
+        f"  range: s/(g-s) = {_frac(r.lower)} <= P/D <= "
+        f"min{{ (g-2s)/s = {_frac(r.upper_de_cnic_read)}, "
         f"(g-s)/(2s) = {_frac(r.upper_de_cnic_write)}, (M/(Bs)-3)/2 = {_frac(r.upper_de_dram)} }}"
         f" = {_frac(r.upper)}",
         f"  read direction 2s/g = {2 * a.s / hw.gpus_per_node:.3g} <= 1 (needs s <= g/2): "
@@ -70,7 +72,7 @@ def render(a: Analysis, cluster: ClusterSpec) -> str:
     if a.is_bottleneck_free:
         lines.append(
             f"  verdict: {cluster.label} is inside the range; every storage NIC can read at full "
-            f"rate. Binding (most loaded) resource: {a.binding.name} at {a.binding.utilization:.0%}."
+            f"rate. Most loaded resource: {a.binding.name} at {a.binding.utilization:.0%}."
         )
     else:
         b = a.binding

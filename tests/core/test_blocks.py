@@ -1,0 +1,46 @@
+import pytest
+
+from dualpath.core.blocks import (
+    ROOT_KEY,
+    aligned_hit_tokens,
+    block_key,
+    block_keys,
+    full_blocks,
+    longest_prefix,
+)
+from dualpath.core.errors import SpecError
+
+
+def test_keys_are_prefix_chained() -> None:
+    a = list(range(200))
+    b = list(range(128)) + [999] * 72
+    ka, kb = block_keys(a, 64), block_keys(b, 64)
+    assert len(ka) == 3 and len(kb) == 3  # trailing partial block has no key
+    assert ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert ka[0] == block_key(ROOT_KEY, a[:64])
+    assert ka[1] == block_key(ka[0], a[64:128])
+
+
+def test_same_block_under_a_different_prefix_gets_a_different_key() -> None:
+    x = [1] * 64
+    k1 = block_keys(x + x, 64)
+    assert k1[0] != k1[1]
+
+
+def test_continuing_from_a_parent_equals_hashing_the_whole() -> None:
+    t = list(range(300))
+    whole = block_keys(t, 64)
+    tail = block_keys(t[128:], 64, parent=whole[1])
+    assert whole[2:] == tail
+
+
+def test_hits_and_prefix_walk() -> None:
+    assert aligned_hit_tokens(130, 64) == 128
+    assert full_blocks(63, 64) == 0
+    stored = set(block_keys(list(range(256)), 64)[:2])
+    assert longest_prefix(block_keys(list(range(256)), 64), stored.__contains__) == 2
+
+
+def test_bad_block_size() -> None:
+    with pytest.raises(SpecError, match="block_size"):
+        block_keys([1, 2, 3], 0)
