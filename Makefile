@@ -24,7 +24,7 @@ run: $(STAMP)
 	$(VENV)/bin/dualpath analyze --hardware h800-deepseek --prefill-nodes 2 --decode-nodes 4
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
