@@ -32,7 +32,7 @@ class Fig7Point:
 
 @cache
 def _raw() -> dict[str, Any]:
-    text = resources.files("dualpath.data").joinpath("paper_calibration.json").read_text("utf-8")
+    text = (resources.files("dualpath") / "data" / "paper_calibration.json").read_text("utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 
