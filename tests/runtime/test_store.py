@@ -1,0 +1,183 @@
+"""BlockStore: atomic puts, checksummed reads into preallocated buffers, crash consistency."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dualpath.core.blocks import block_keys
+from dualpath.runtime.store import HEADER_BYTES, BlockStore, StoreError
+
+BLOCK_BYTES = 4096
+
+
+def payload(seed: int, nbytes: int = BLOCK_BYTES) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def test_put_then_get_into_preallocated_buffer(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    keys = block_keys(list(range(64 * 3)), 64)
+    for i, key in enumerate(keys):
+        assert store.put(key, memoryview(payload(i)))
+    out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
+    address = out.ctypes.data
+    for i, key in enumerate(keys):
+        assert store.get_into(key, memoryview(out))
+        assert out.tobytes() == payload(i)
+        assert out.ctypes.data == address  # read in place, not into a new buffer
+    assert store.counters.num_hits == 3
+    assert store.counters.read_bytes == 3 * (BLOCK_BYTES + HEADER_BYTES)
+    assert sorted(store.keys()) == sorted(keys)
+
+
+def test_missing_block_is_a_counted_miss(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    assert not store.get_into(b"\x01" * 16, bytearray(BLOCK_BYTES))
+    assert store.counters.num_misses == 1
+    assert store.counters.num_hits == 0
+
+
+def test_longest_prefix_walks_chained_keys(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    keys = block_keys(list(range(64 * 5)), 64)
+    for key in keys[:3]:
+        store.put(key, payload(0))
+    store.put(keys[4], payload(0))  # not reachable: block 3 is missing
+    assert store.longest_prefix(keys) == 3
+    assert store.contains(keys[4]) and not store.contains(keys[3])
+
+
+def test_flipped_byte_is_detected_counted_and_removed(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    key = block_keys(list(range(64)), 64)[0]
+    store.put(key, payload(7))
+    path = store.path_of(key)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 1234] ^= 0x40
+    path.write_bytes(raw)
+    out = bytearray(BLOCK_BYTES)
+    assert not store.get_into(key, out)
+    assert store.counters.num_corrupt == 1 and store.counters.num_hits == 0
+    assert not store.contains(key)  # removed, so the next put rewrites it
+    store.put(key, payload(7))
+    assert store.get_into(key, out) and bytes(out) == payload(7)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "swap_key"])
+def test_torn_or_foreign_files_are_never_served(tmp_path: Path, damage: str) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    k1, k2 = block_keys(list(range(128)), 64)
+    store.put(k1, payload(1))
+    store.put(k2, payload(2))
+    p1, p2 = store.path_of(k1), store.path_of(k2)
+    if damage == "truncate":  # what a non-atomic writer would leave after a crash
+        p1.write_bytes(p1.read_bytes()[: HEADER_BYTES + BLOCK_BYTES // 2])
+    elif damage == "header":
+        raw = bytearray(p1.read_bytes())
+        raw[20] ^= 0xFF  # payload-size / crc field
+        p1.write_bytes(raw)
+    else:  # a valid block of another key under k1's name
+        p1.write_bytes(p2.read_bytes())
+    assert not store.get_into(k1, bytearray(BLOCK_BYTES))
+    assert store.counters.num_corrupt == 1
+    assert store.get_into(k2, bytearray(BLOCK_BYTES))
+
+
+def test_put_without_overwrite_skips_existing(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=True)
+    key = b"k" * 16
+    assert store.put(key, payload(1), overwrite=False)
+    assert not store.put(key, payload(2), overwrite=False)
+    out = bytearray(BLOCK_BYTES)
+    assert store.get_into(key, out) and bytes(out) == payload(1)
+    assert store.counters.num_skipped_puts == 1
+    assert not list(tmp_path.glob("*/.tmp-*"))
+
+
+def test_bad_inputs_raise_one_line_errors(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    with pytest.raises(StoreError, match="4096"):
+        store.put(b"k" * 16, b"short")
+    with pytest.raises(StoreError, match="writable"):
+        store.get_into(b"k" * 16, bytes(BLOCK_BYTES))
+    with pytest.raises(StoreError, match="key"):
+        store.put(b"", payload(0))
+    with pytest.raises(StoreError, match=r"store\.json: full_block_bytes=4096"):
+        BlockStore(tmp_path, 8192)
+
+
+def test_two_instances_share_one_root(tmp_path: Path) -> None:
+    writer = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    reader = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    key = b"s" * 16
+    writer.put(key, payload(3))
+    out = bytearray(BLOCK_BYTES)
+    assert reader.get_into(key, out) and bytes(out) == payload(3)
+
+
+def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    store.put(b"a" * 16, payload(0))
+    tmp = store.path_of(b"a" * 16).parent / ".tmp-dead-1-0"
+    tmp.write_bytes(b"partial")
+    assert store.remove_stale_temp(max_age_s=3600) == 0
+    old = time.time() - 7200
+    os.utime(tmp, (old, old))
+    assert store.remove_stale_temp(max_age_s=3600) == 1
+    assert store.keys() == [b"a" * 16]
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from dualpath.runtime.store import BlockStore
+    root, nbytes = sys.argv[1], int(sys.argv[2])
+    store = BlockStore(root, nbytes, is_durable=True)
+    i = 0
+    while True:
+        data = np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+        store.put(i.to_bytes(16, "little"), memoryview(data))
+        if i == 0:
+            print("started", flush=True)
+        i += 1
+    """
+)
+
+
+def test_kill_9_mid_write_leaves_no_torn_readable_block(tmp_path: Path) -> None:
+    nbytes = 1 << 20  # big enough that a kill often lands inside a write
+    rng = random.Random(1234)
+    for _ in range(3):
+        child = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(nbytes)],
+            stdout=subprocess.PIPE,
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == b"started"
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        assert child.returncode == -signal.SIGKILL
+    store = BlockStore(tmp_path, nbytes, is_durable=False)
+    keys = store.keys()
+    assert keys, "the writer stored nothing before being killed"
+    out = np.empty(nbytes, dtype=np.uint8)
+    for key in keys:
+        assert store.get_into(key, memoryview(out)), f"block {key.hex()} does not verify"
+        i = int.from_bytes(key, "little")
+        assert np.array_equal(out, np.random.default_rng(i).integers(0, 256, nbytes, np.uint8))
+    assert store.counters.num_corrupt == 0
+    # Partial writes exist only under temp names that readers never open.
+    for tmp in tmp_path.glob("*/.tmp-*"):
+        assert tmp.stat().st_size <= HEADER_BYTES + nbytes
