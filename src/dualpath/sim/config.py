@@ -1,0 +1,166 @@
+"""Frozen, validated configuration of one simulation: cluster, mode switches, scheduler and
+physical parameters, workload and driver, seed. Composed at the top; never mutated at run time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from dualpath.core.cluster import ClusterSpec
+from dualpath.core.errors import SpecError, UnknownPresetError
+from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
+from dualpath.sched.params import SchedulerParams
+from dualpath.sim.workload import Workload
+
+PATHS = ("pe", "dual", "split")
+SCHEDULERS = ("round_robin", "dualpath")
+IO_MODES = ("real", "oracle")
+DRIVERS = ("offline", "online", "replay")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Composable switches (ARCHITECTURE.md "Modes"), not forks of the code."""
+
+    is_layerwise: bool = True
+    """Layerwise prefill: per-layer KV streaming overlapped with compute, no HBM limit on hits."""
+    paths: str = "dual"
+    """`pe`: read hits on the PE side only; `dual`: the side with the shorter read queue;
+    `split`: split one request's read across both sides (the paper's future work)."""
+    scheduler: str = "dualpath"
+    """`round_robin`: engines in turn, no compute quota; `dualpath`: Algorithm 1, two-level DE
+    scheduling and the intra-engine compute quota."""
+    io: str = "real"
+    """`oracle`: every storage read, H2D/D2H copy and PD KV transfer is bypassed."""
+
+    def __post_init__(self) -> None:
+        for name, value, valid in (
+            ("paths", self.paths, PATHS),
+            ("scheduler", self.scheduler, SCHEDULERS),
+            ("io", self.io, IO_MODES),
+        ):
+            if value not in valid:
+                raise SpecError("mode", name, value, f"must be one of {', '.join(valid)}")
+
+    @property
+    def is_oracle(self) -> bool:
+        return self.io == "oracle"
+
+
+MODE_PRESETS: dict[str, Mode] = {
+    "basic": Mode(is_layerwise=False, paths="pe", scheduler="round_robin"),
+    "layerwise": Mode(is_layerwise=True, paths="pe", scheduler="round_robin"),
+    "dual-path": Mode(is_layerwise=True, paths="dual", scheduler="round_robin"),
+    "dualpath": Mode(),
+    "split": Mode(paths="split"),
+    "oracle": Mode(io="oracle"),
+}
+"""The paper's baselines and ablation steps: basic, +layerwise, +dual-path, dualpath (all),
+oracle (I/O bypassed) and the split-read extension."""
+
+
+def mode_preset(name: str) -> Mode:
+    """The named mode; UnknownPresetError lists the valid names."""
+    try:
+        return MODE_PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError("mode", name, list(MODE_PRESETS)) from None
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """Scheduler constants and physical details the specs do not carry."""
+
+    block_size_tokens: int = 64
+    max_batch_tokens: int = 16384
+    """Round-robin (no quota) forward batch limit in new tokens per engine."""
+    inference_load_fraction: float = 0.0
+    """High-priority (inference) traffic share of a compute NIC while its engine runs a forward
+    pass; KV traffic gets the rest but never less than `kv_min_share`."""
+    kv_min_share: float = 0.01
+    """The low-priority class's guaranteed share when both are backlogged (99:1 arbitration)."""
+    hbm_reserve_fraction: float = 0.1
+    """HBM held back for activations and workspace, beyond the model weights."""
+    storage_cluster_bytes_per_s: float = 0.0
+    """Aggregate read cap of the storage cluster (0: none; each storage NIC is its own cap)."""
+    is_group_synchronized: bool | None = None
+    """Synchronize each node's engines per forward step (EP group). None: iff the model is MoE."""
+    utilization_bin_s: float = 10.0
+    """Width of the bins of the per-resource utilization time series."""
+
+    def __post_init__(self) -> None:
+        o = "sim.params"
+        positive_int(o, "block_size_tokens", self.block_size_tokens)
+        positive_int(o, "max_batch_tokens", self.max_batch_tokens)
+        non_negative(o, "inference_load_fraction", self.inference_load_fraction)
+        if self.inference_load_fraction > 1.0:
+            raise SpecError(o, "inference_load_fraction", self.inference_load_fraction,
+                            "must be <= 1")
+        positive(o, "kv_min_share", self.kv_min_share)
+        non_negative(o, "hbm_reserve_fraction", self.hbm_reserve_fraction)
+        if self.hbm_reserve_fraction >= 1.0:
+            raise SpecError(o, "hbm_reserve_fraction", self.hbm_reserve_fraction, "must be < 1")
+        non_negative(o, "storage_cluster_bytes_per_s", self.storage_cluster_bytes_per_s)
+        positive(o, "utilization_bin_s", self.utilization_bin_s)
+
+
+@dataclass(frozen=True)
+class Driver:
+    """How turns arrive. `offline`: `num_agents` agents start at t = 0, JCT when all finish.
+    `online`: Poisson agent arrivals at `agents_per_s`, each replaying its trajectory back to
+    back, until `max_duration_s` or the paper's stop rule. `replay`: a Mooncake-format trace by
+    its timestamps."""
+
+    kind: str = "offline"
+    num_agents: int = 64
+    agents_per_s: float = 0.0
+    max_duration_s: float = 3600.0
+    ttft_limit_s: float = 4.0
+    """Online stop rule (1): stop when a turn's TTFT exceeds this (0: never)."""
+    steady_window_s: float = 150.0
+    steady_lookback_s: float = 1800.0
+    steady_tolerance: float = 0.05
+    """Online stop rule (2): mean TTFT over the last window within this of the window
+    `steady_lookback_s` earlier."""
+
+    def __post_init__(self) -> None:
+        o = "sim.driver"
+        if self.kind not in DRIVERS:
+            raise SpecError(o, "kind", self.kind, f"must be one of {', '.join(DRIVERS)}")
+        non_negative_int(o, "num_agents", self.num_agents)
+        non_negative(o, "agents_per_s", self.agents_per_s)
+        if self.kind == "online" and self.agents_per_s <= 0:
+            raise SpecError(o, "agents_per_s", self.agents_per_s, "must be > 0 for online")
+        positive(o, "max_duration_s", self.max_duration_s)
+        non_negative(o, "ttft_limit_s", self.ttft_limit_s)
+        positive(o, "steady_window_s", self.steady_window_s)
+        positive(o, "steady_lookback_s", self.steady_lookback_s)
+        positive(o, "steady_tolerance", self.steady_tolerance)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything one run needs. Offline runs replay the first `driver.num_agents` agents of
+    `workload` (cycling if it has fewer), online runs take agents in order as they arrive, replay
+    runs every turn at its `arrival_s`."""
+
+    cluster: ClusterSpec
+    workload: Workload
+    mode: Mode = field(default_factory=Mode)
+    driver: Driver = field(default_factory=Driver)
+    params: SimParams = field(default_factory=SimParams)
+    scheduler: SchedulerParams | None = None
+    """Policy constants (alpha, beta, Z, compute quota, [INF] choices); None derives the paper's
+    defaults for this model and hardware (`derive_scheduler_params`). The read-path mode and
+    block size always come from `mode` and `params`."""
+    seed: int = 0
+    cost_overrides: tuple[tuple[str, float], ...] = ()
+    """Cost-model coefficient overrides by name (see `dualpath.sched.cost`)."""
+
+    def __post_init__(self) -> None:
+        if self.driver.kind == "replay" and self.workload.arrival_s is None:
+            raise SpecError("sim", "workload.arrival_s", None, "a replay driver needs timestamps")
+        non_negative_int("sim", "seed", self.seed)
+
+    def with_mode(self, mode: Mode | str) -> SimConfig:
+        """A copy running another mode (a name from MODE_PRESETS or a Mode)."""
+        return replace(self, mode=mode_preset(mode) if isinstance(mode, str) else mode)

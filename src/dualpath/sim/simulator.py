@@ -1,0 +1,619 @@
+"""The cluster simulator: drives `dualpath.sched` policies over a workload and charges every hop
+of both KV paths to the links that carry it (paper Fig. 4 and §4.2).
+
+Hops and the links they load (bytes per request; `H` hit KV, `X` miss KV of a chunk; the PE side
+reads `H_p`, the DE side `H_d`, `H = H_p + H_d`):
+
+    storage read     SNIC read + DRAM of the reading node (+ storage-cluster cap)   H_p | H_d
+    PE path in       PE DRAM, PE CNIC read (3), PE CNIC write (4)                    H_p
+    PE path out      PE CNIC read (5), DE CNIC write (7), DE DRAM                    H_p
+    DE path in       DE DRAM, DE CNIC read (3), PE CNIC write (5)                    H_d
+    miss KV out      PE CNIC read, DE CNIC write, DE DRAM                            X
+    DE copy-in       DE DRAM, DE CNIC read (8|6), DE CNIC write (9|7)                H + X
+    persistence      DE CNIC read + write (D2H), DE DRAM x2, SNIC write              new blocks
+
+Forward passes: a PE group (one node when engines are expert-parallel, else one engine) runs
+one step at a time; a step's length is the slowest engine's attention plus the shared FFN, and
+with layerwise prefill the step's KV streaming is one flow overlapped with compute in closed
+form (the step ends when both are done). Without it, the hit KV is loaded before compute and
+the KV goes out after it. Decode groups run continuous batching in epochs between membership
+changes: within an epoch the step time is constant, so completions are computed, not stepped.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+
+from dualpath.core.cluster import ClusterSpec
+from dualpath.sched import cost as costmod
+from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
+from dualpath.sim.config import SimConfig
+from dualpath.sim.flows import Flow, FlowNet, Link
+from dualpath.sim.kernel import EventLoop
+from dualpath.sim.policy import Policy
+from dualpath.sim.result import SimResult, build_result
+from dualpath.sim.state import Engine, Node, Req
+
+ProgressFn = Callable[[int], None]
+
+
+class _PrefillGroup:
+    __slots__ = ("engines", "flow_pending", "idx", "is_busy", "outbound", "step", "timer_pending")
+
+    def __init__(self, idx: int, engines: list[int]) -> None:
+        self.idx = idx
+        self.engines = engines
+        self.is_busy = False
+        self.timer_pending = False
+        self.flow_pending = False
+        self.step: list[tuple[Req, int]] = []
+        self.outbound: dict[Link, float] | None = None
+
+
+class _DecodeGroup:
+    __slots__ = ("anchor_s", "anchor_steps", "engines", "handle", "members", "step_s")
+
+    def __init__(self, engines: list[int]) -> None:
+        self.engines = engines
+        self.members: dict[Req, None] = {}
+        self.step_s = 0.0
+        self.anchor_s = 0.0
+        self.anchor_steps = 0.0
+        self.handle = 0
+
+
+class Simulator:
+    """One run. Build with a `SimConfig`, call `run()` once; not reusable."""
+
+    def __init__(self, config: SimConfig, progress: ProgressFn | None = None) -> None:
+        self.config = config
+        cl: ClusterSpec = config.cluster
+        self.model, self.hw = cl.model, cl.hardware
+        self.mode = config.mode
+        self.params = config.params
+        self.progress = progress
+        self.loop = EventLoop()
+        self.net = FlowNet(self.loop)
+        self.rng = random.Random(config.seed)
+        coeffs = costmod.coefficients_for(self.model, self.hw)
+        if config.cost_overrides:
+            coeffs = replace(coeffs, **dict(config.cost_overrides))  # type: ignore[arg-type]
+        self.coeffs = coeffs
+        self.policy = Policy(config, coeffs)
+        self.kv_bpt = self.model.kv_bytes_per_token
+        self.block = self.params.block_size_tokens
+        g = self.hw.gpus_per_node
+        self.is_sync = (
+            self.model.is_moe if self.params.is_group_synchronized is None
+            else self.params.is_group_synchronized
+        )
+        self.links: list[Link] = []
+        bin_s = self.params.utilization_bin_s
+        cnic = min(self.hw.compute_nic_bytes_per_s, self.hw.pcie_bytes_per_s)
+        self.cnic_bytes_per_s = cnic
+        self.storage_link = (
+            self._link("storage", "storage", -1, self.params.storage_cluster_bytes_per_s, bin_s)
+            if self.params.storage_cluster_bytes_per_s > 0 else None
+        )
+        # MoE weights are sharded over every engine of a role (EP across that role's nodes,
+        # as DeepSeek-V3.2 needs: 671 GB of FP8 weights do not fit one node's 8 x 80 GB);
+        # dense weights are replicated per engine.
+        def kv_room(num_engines: int) -> float:
+            w = self.model.weight_bytes
+            if self.model.is_moe:
+                w /= num_engines
+            return max(0.0, self.hw.hbm_bytes * (1.0 - self.params.hbm_reserve_fraction) - w)
+
+        self.pe_hbm_kv_bytes = kv_room(cl.num_prefill_engines)
+        de_hbm_kv = kv_room(cl.num_decode_engines)
+        self.nodes: list[Node] = []
+        self.engines: list[Engine] = []
+        for n in range(cl.num_nodes):
+            is_pf = n < cl.num_prefill_nodes
+            node = Node(
+                n, is_pf, list(range(n * g, n * g + g)),
+                self._link(f"n{n}.snic_read", "snic_read", n, self.hw.storage_nic_bytes_per_s,
+                           bin_s),
+                self._link(f"n{n}.snic_write", "snic_write", n, self.hw.storage_nic_bytes_per_s,
+                           bin_s),
+                self._link(f"n{n}.dram", "pe_dram" if is_pf else "de_dram", n,
+                           self.hw.dram_bytes_per_s, bin_s),
+                float(self.hw.dram_buffer_bytes),
+            )
+            self.nodes.append(node)
+            side = "pe" if is_pf else "de"
+            for e in node.engines:
+                self.engines.append(Engine(
+                    e, n,
+                    self._link(f"e{e}.cnic_read", f"{side}_cnic_read", n, cnic, bin_s),
+                    self._link(f"e{e}.cnic_write", f"{side}_cnic_write", n, cnic, bin_s),
+                    self.pe_hbm_kv_bytes if is_pf else de_hbm_kv,
+                ))
+        pe_nodes = range(cl.num_prefill_nodes)
+        de_nodes = range(cl.num_prefill_nodes, cl.num_nodes)
+        if self.is_sync:
+            self.pgroups = [_PrefillGroup(i, self.nodes[n].engines) for i, n in enumerate(pe_nodes)]
+            self.dgroups = [_DecodeGroup(self.nodes[n].engines) for n in de_nodes]
+        else:
+            pe_engines = [e for n in pe_nodes for e in self.nodes[n].engines]
+            de_engines = [e for n in de_nodes for e in self.nodes[n].engines]
+            self.pgroups = [_PrefillGroup(i, [e]) for i, e in enumerate(pe_engines)]
+            self.dgroups = [_DecodeGroup([e]) for e in de_engines]
+        self.pgroup_of = {e: grp for grp in self.pgroups for e in grp.engines}
+        self.dgroup_of = {e: grp for grp in self.dgroups for e in grp.engines}
+        self.reqs: list[Req] = []
+        self.waiting: dict[int, WaitingRequest] = {}
+        self.de_global: deque[Req] = deque()
+        self.pe_queue: deque[Req] = deque()
+        self.num_done = 0
+        self.is_stopped = False
+        self.stop_reason = ""
+        self.attn_ratio_sum = 0.0
+        self.attn_ratio_steps = 0
+        self.attn_ratio_first: list[float] = []
+        self.num_prefill_steps = 0
+        wl = config.workload
+        self.wl_prompt = wl.prompt_tokens.tolist()
+        self.wl_hit = wl.hit_tokens.tolist()
+        self.wl_gen = wl.gen_tokens.tolist()
+        self.wl_starts = wl.starts.tolist()
+        self.agent_rows: list[tuple[int, int]] = []
+        self.agent_next: list[int] = []
+
+    def _link(self, name: str, kind: str, node: int, cap: float, bin_s: float) -> Link:
+        link = Link(name, kind, node, cap, bin_s)
+        self.links.append(link)
+        return link
+
+    # -- drivers ----------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        """Run to completion (or the online stop rule) and summarize."""
+        drv = self.config.driver
+        wl = self.config.workload
+        if drv.kind == "offline":
+            for k in range(drv.num_agents):
+                self._new_agent(k % wl.num_agents)
+        elif drv.kind == "online":
+            self._schedule_online_arrival(0)
+            self.loop.after(drv.steady_window_s, self._check_steady)
+        else:
+            assert wl.arrival_s is not None
+            times = wl.arrival_s.tolist()
+            for k in range(wl.num_agents):
+                lo, hi = self.wl_starts[k], self.wl_starts[k + 1]
+                self.agent_rows.append((lo, hi))
+                self.agent_next.append(hi)  # replay: one request per row, no follow-ups
+                for row in range(lo, hi):
+                    self.loop.at(times[row], self._arrival_cb(k, row))
+        until = drv.max_duration_s if drv.kind == "online" else math.inf
+        self.loop.run(until_s=until, should_stop=lambda: self.is_stopped)
+        if drv.kind == "online" and not self.stop_reason:
+            self.stop_reason = "max_duration"
+        return build_result(self)
+
+    def _arrival_cb(self, agent: int, row: int) -> Callable[[], None]:
+        return lambda: self._arrive(agent, row)
+
+    def _new_agent(self, source: int) -> None:
+        agent = len(self.agent_rows)
+        lo, hi = self.wl_starts[source], self.wl_starts[source + 1]
+        self.agent_rows.append((lo, hi))
+        self.agent_next.append(lo + 1)
+        self._arrive(agent, lo)
+
+    def _schedule_online_arrival(self, k: int) -> None:
+        drv = self.config.driver
+        if drv.num_agents and k >= drv.num_agents:
+            return
+        gap = self.rng.expovariate(drv.agents_per_s)
+
+        def arrive() -> None:
+            self._new_agent(k % self.config.workload.num_agents)
+            self._schedule_online_arrival(k + 1)
+
+        self.loop.after(gap, arrive)
+
+    def _check_steady(self) -> None:
+        drv = self.config.driver
+        now = self.loop.now_s
+        if now >= drv.steady_lookback_s + drv.steady_window_s:
+            cur = self._mean_ttft(now - drv.steady_window_s, now)
+            old = self._mean_ttft(now - drv.steady_lookback_s - drv.steady_window_s,
+                                  now - drv.steady_lookback_s)
+            if cur > 0 and old > 0 and abs(cur - old) <= drv.steady_tolerance * old:
+                self.stop_reason = "steady_state"
+                self.is_stopped = True
+                return
+        self.loop.after(drv.steady_window_s / 5, self._check_steady)
+
+    def _mean_ttft(self, lo_s: float, hi_s: float) -> float:
+        vals = [r.t_prefill_done - r.t_arrive for r in reversed(self.reqs)
+                if r.t_prefill_done >= 0 and lo_s <= r.t_prefill_done < hi_s]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    # -- arrival and inter-engine scheduling ---------------------------------------------------
+    def _arrive(self, agent: int, row: int) -> None:
+        req = Req(len(self.reqs), agent, row, self.wl_prompt[row], self.wl_hit[row],
+                  self.wl_gen[row], self.loop.now_s)
+        self.reqs.append(req)
+        self.waiting[req.rid] = WaitingRequest(req.rid, req.prompt, req.hit, req.gen)
+        self.de_global.append(req)
+        self._dispatch_de()
+
+    def _report(self, e: Engine, role: Role) -> EngineReport:
+        return EngineReport(e.idx, e.node, role, e.num_seqs, e.num_tokens,
+                            self.nodes[e.node].read_q_tokens, int(e.free_hbm_bytes))
+
+    def _dispatch_de(self) -> None:
+        """Two-level DE scheduling: the global queue to groups, then each group's fetch."""
+        pol = self.policy
+        if self.de_global:
+            all_reports = [[self._report(self.engines[e], Role.DECODE) for e in grp.engines]
+                           for grp in self.dgroups]
+            queue = [self.waiting[r.rid] for r in self.de_global]
+            for rid, gi in pol.de_groups(queue, all_reports):
+                pol.private[gi].append(self.reqs[rid])
+            self.de_global.clear()
+        moved = False
+        for gi, grp in enumerate(self.dgroups):
+            queue = pol.private[gi]
+            if not queue:
+                continue
+            reports = [self._report(self.engines[e], Role.DECODE) for e in grp.engines]
+            for rid, engine_id, hbm in pol.de_fetch(gi, [self.waiting[r.rid] for r in queue],
+                                                    reports):
+                req = queue.popleft()
+                assert req.rid == rid
+                eng = self.engines[engine_id]
+                req.de, req.hbm_bytes, req.t_de = engine_id, hbm, self.loop.now_s
+                eng.free_hbm_bytes -= hbm
+                eng.num_seqs += 1
+                eng.num_tokens += pol.de_charge(self.waiting[rid])
+                self.pe_queue.append(req)
+                moved = True
+        if moved:
+            self._dispatch_pe()
+
+    def _dispatch_pe(self) -> None:
+        """Every PE group fetches from the FIFO queue (Algorithm 1 or round robin)."""
+        pol = self.policy
+        for grp in self.pgroups:
+            if not self.pe_queue:
+                return
+            reports = [self._report(self.engines[e], Role.PREFILL) for e in grp.engines]
+            queue = [self.waiting[r.rid] for r in self.pe_queue]
+            de_node_of = {r.rid: self.engines[r.de].node for r in self.pe_queue}
+            de_q = {n: self.nodes[n].read_q_tokens for n in set(de_node_of.values())}
+            for a in pol.pe_fetch(grp.idx, queue, reports, de_node_of, de_q):
+                req = self.pe_queue.popleft()
+                assert req.rid == a.request_id
+                eng = self.engines[a.engine_id]
+                req.pe, req.t_pe = a.engine_id, self.loop.now_s
+                eng.num_seqs += 1
+                eng.num_tokens += pol.pe_charge(self.waiting[req.rid])
+                self._start_reads(req, a.read)
+
+    # -- storage reads --------------------------------------------------------------------------
+    def _start_reads(self, req: Req, plan: ReadPlan | None) -> None:
+        pe_tokens = plan.pe_read_tokens if plan is not None else req.hit
+        de_tokens = plan.de_read_tokens if plan is not None else 0
+        req.pe_read_tokens, req.de_read_tokens = pe_tokens, de_tokens
+        if self.mode.is_oracle:
+            self._read_done(req)
+            return
+        for tokens, node in ((pe_tokens, self.engines[req.pe].node),
+                             (de_tokens, self.engines[req.de].node)):
+            if tokens > 0:
+                req.reads_left += 1
+                nd = self.nodes[node]
+                nd.read_fifo.append((req, tokens))
+                nd.read_q_tokens += tokens
+                self._next_read(nd)
+        if req.reads_left == 0:
+            self._read_done(req)
+
+    def _next_read(self, nd: Node) -> None:
+        """FIFO server: one read at a time at the storage NIC's full (shared) rate; a read
+        starts only when the node buffer has room for it (or the buffer is empty)."""
+        if nd.is_reading or not nd.read_fifo:
+            return
+        req, tokens = nd.read_fifo[0]
+        nbytes = tokens * self.kv_bpt
+        if nd.buffer_used_bytes > 0 and nd.buffer_used_bytes + nbytes > nd.buffer_bytes:
+            return  # retried when the buffer frees
+        nd.read_fifo.popleft()
+        nd.is_reading = True
+        nd.take_buffer(nbytes)
+        links: list[tuple[Link, float]] = [(nd.snic_read, 1.0), (nd.dram, 1.0)]
+        if self.storage_link is not None:
+            links.append((self.storage_link, 1.0))
+
+        def done() -> None:
+            nd.is_reading = False
+            nd.read_q_tokens -= tokens
+            nd.read_tokens_total += tokens
+            req.reads_left -= 1
+            if req.reads_left == 0:
+                self._read_done(req)
+            self._next_read(nd)
+
+        self.net.start(Flow(links, nbytes, done))
+
+    def _free_buffer(self, nd: Node, nbytes: float) -> None:
+        nd.buffer_used_bytes -= nbytes
+        if nd.read_fifo and not nd.is_reading:
+            self._next_read(nd)
+
+    def _read_done(self, req: Req) -> None:
+        req.t_read_done = self.loop.now_s
+        self.engines[req.pe].ready.append(req)
+        self._try_prefill(self.pgroup_of[req.pe])
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def _try_prefill(self, grp: _PrefillGroup) -> None:
+        if grp.is_busy:
+            return
+        model, hw, coeffs = self.model, self.hw, self.coeffs
+        step: list[tuple[Req, int]] = []
+        attn: list[float] = []
+        total_new = 0
+        for e in grp.engines:
+            eng = self.engines[e]
+            if eng.ready:
+                chunks = self.policy.pack(eng.ready, self.pe_hbm_kv_bytes, self.mode.is_layerwise)
+            else:
+                chunks = []
+            pairs = []
+            for req, n in chunks:
+                step.append((req, n))
+                pairs.append((req.cached_tokens, n))
+                total_new += n
+            attn.append(costmod.prefill_attention_time_s(model, hw, pairs, coeffs))
+        if not step:
+            return
+        grp.is_busy = True
+        grp.step = step
+        now = self.loop.now_s
+        for req, _ in step:
+            if req.t_prefill_start < 0:
+                req.t_prefill_start = now
+        if self.is_sync:
+            per_engine = total_new / len(grp.engines)
+            compute_s = max(attn) + costmod.prefill_ffn_time_s(model, hw, per_engine, coeffs)
+            mean = sum(attn) / len(attn)
+            ratio = max(attn) / mean if mean > 0 else 1.0
+            self.attn_ratio_sum += ratio
+            self.attn_ratio_steps += 1
+            self.attn_ratio_first.append(ratio)
+        else:
+            compute_s = attn[0] + costmod.prefill_ffn_time_s(model, hw, total_new, coeffs)
+        compute_s += coeffs.per_step_overhead_s
+        self.num_prefill_steps += 1
+        self._set_forward_load(grp.engines, True)
+        if self.mode.is_oracle:
+            grp.timer_pending = True
+            self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+            return
+        inbound, outbound = self._step_bytes(step)
+        if self.mode.is_layerwise:
+            grp.timer_pending = True
+            grp.flow_pending = True
+            self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+            merged = dict(inbound)
+            for link, w in outbound.items():
+                merged[link] = merged.get(link, 0.0) + w
+            self.net.start(Flow(merged.items(), 1.0, lambda: self._step_part_done(grp, "flow")))
+        else:
+            # Basic: the hit KV of the batch is loaded into HBM before compute starts; the
+            # prompt KV goes to the DE buffers after compute (the PE moves on meanwhile).
+            def compute() -> None:
+                grp.timer_pending = True
+                self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+
+            grp.flow_pending = False
+            self.net.start(Flow(inbound.items(), 1.0, compute))
+            grp.outbound = outbound
+
+    def _step_bytes(
+        self, step: list[tuple[Req, int]]
+    ) -> tuple[dict[Link, float], dict[Link, float]]:
+        """Bytes each link carries for this forward step: into PE HBM, and out to DE buffers."""
+        kv = self.kv_bpt
+        inb: dict[Link, float] = {}
+        out: dict[Link, float] = {}
+
+        def add(d: dict[Link, float], link: Link, nbytes: float) -> None:
+            if nbytes > 0:
+                d[link] = d.get(link, 0.0) + nbytes
+
+        for req, n in step:
+            pe = self.engines[req.pe]
+            de = self.engines[req.de]
+            pe_dram = self.nodes[pe.node].dram
+            de_dram = self.nodes[de.node].dram
+            miss = n * kv
+            if req.computed_tokens == 0:  # first chunk: the hits stream in (and out, PE path)
+                hp = req.pe_read_tokens * kv
+                hd = req.de_read_tokens * kv
+                add(inb, pe_dram, hp)
+                add(inb, pe.cnic_read, hp)
+                add(inb, pe.cnic_write, hp + hd)
+                add(inb, de_dram, hd)
+                add(inb, de.cnic_read, hd)
+                miss += hp
+            add(out, pe.cnic_read, miss)
+            add(out, de.cnic_write, miss)
+            add(out, de_dram, miss)
+        return inb, out
+
+    def _set_forward_load(self, engines: list[int], is_busy: bool) -> None:
+        f = self.params.inference_load_fraction
+        if f <= 0.0:
+            return
+        share = max(self.params.kv_min_share, 1.0 - f) if is_busy else 1.0
+        cap = self.cnic_bytes_per_s * share
+        for e in engines:
+            eng = self.engines[e]
+            self.net.set_capacity(eng.cnic_read, cap)
+            self.net.set_capacity(eng.cnic_write, cap)
+
+    def _step_part_done(self, grp: _PrefillGroup, part: str) -> None:
+        if part == "timer":
+            grp.timer_pending = False
+        else:
+            grp.flow_pending = False
+        if grp.timer_pending or grp.flow_pending:
+            return
+        self._set_forward_load(grp.engines, False)
+        step, grp.step = grp.step, []
+        outbound, grp.outbound = grp.outbound, None
+        finished: list[Req] = []
+        for req, n in step:
+            if req.computed_tokens == 0 and req.pe_read_tokens and not self.mode.is_oracle:
+                self._free_buffer(self.nodes[self.engines[req.pe].node],
+                                  req.pe_read_tokens * self.kv_bpt)
+            req.computed_tokens += n
+            if req.remaining_tokens <= 0:
+                finished.append(req)
+                eng = self.engines[req.pe]
+                eng.ready.remove(req)
+                eng.num_seqs -= 1
+                eng.num_tokens -= self.policy.pe_charge(self.waiting[req.rid])
+        grp.is_busy = False
+        if outbound:
+            # Basic: every request of the step waits for the step's KV transfer to the DEs.
+            def sent() -> None:
+                for r in finished:
+                    self._prefill_done(r)
+
+            self.net.start(Flow(outbound.items(), 1.0, sent))
+        else:
+            for req in finished:
+                self._prefill_done(req)
+        self._try_prefill(grp)
+        if finished:
+            self._dispatch_pe()
+
+    def _prefill_done(self, req: Req) -> None:
+        """The prompt KV is in the DE buffer and the first token exists: copy in, decode."""
+        req.t_prefill_done = self.loop.now_s
+        drv = self.config.driver
+        if (drv.kind == "online" and drv.ttft_limit_s > 0
+                and req.t_prefill_done - req.t_arrive > drv.ttft_limit_s):
+            self.stop_reason = "ttft_limit"
+            self.is_stopped = True
+        de = self.engines[req.de]
+        nd = self.nodes[de.node]
+        if self.mode.is_oracle:
+            self._join_decode(req)
+            return
+        nbytes = req.prompt * self.kv_bpt
+        links = [(nd.dram, nbytes), (de.cnic_read, nbytes), (de.cnic_write, nbytes)]
+
+        def copied() -> None:
+            if req.de_read_tokens:
+                self._free_buffer(nd, req.de_read_tokens * self.kv_bpt)
+            self._join_decode(req)
+
+        self.net.start(Flow(links, 1.0, copied))
+
+    # -- decode ------------------------------------------------------------------------------------
+    def _steps_now(self, grp: _DecodeGroup) -> float:
+        if grp.step_s <= 0:
+            return grp.anchor_steps
+        return grp.anchor_steps + (self.loop.now_s - grp.anchor_s) / grp.step_s
+
+    def _join_decode(self, req: Req) -> None:
+        now = self.loop.now_s
+        req.t_join = now
+        if req.gen <= 1:
+            self._finish(req)
+            return
+        grp = self.dgroup_of[req.de]
+        s = self._steps_now(grp)
+        start = math.ceil(s - 1e-9)
+        req.finish_step = start + req.gen - 1
+        grp.anchor_s, grp.anchor_steps = now, s
+        grp.members[req] = None
+        eng = self.engines[req.de]
+        eng.num_decoding += 1
+        eng.ctx_tokens += req.prompt + req.gen / 2.0
+        if eng.num_decoding == 1:
+            self._set_forward_load([req.de], True)
+        self._reschedule_decode(grp)
+        req.t_second = now + (start - s + 1.0) * grp.step_s
+
+    def _reschedule_decode(self, grp: _DecodeGroup) -> None:
+        model, hw, coeffs = self.model, self.hw, self.coeffs
+        step = 0.0
+        for e in grp.engines:
+            eng = self.engines[e]
+            if eng.num_decoding:
+                t = costmod.decode_step_time_s(model, hw, eng.num_decoding, eng.ctx_tokens, coeffs)
+                if t > step:
+                    step = t
+        grp.step_s = step
+        if grp.handle:
+            self.loop.cancel(grp.handle)
+            grp.handle = 0
+        if not grp.members:
+            return
+        first = min(r.finish_step for r in grp.members)
+        at = grp.anchor_s + (first - grp.anchor_steps) * step
+        grp.handle = self.loop.at(at, lambda: self._decode_event(grp))
+
+    def _decode_event(self, grp: _DecodeGroup) -> None:
+        grp.handle = 0
+        s = self._steps_now(grp)
+        grp.anchor_s, grp.anchor_steps = self.loop.now_s, s
+        done = [r for r in grp.members if r.finish_step <= s + 1e-6]
+        for req in done:
+            del grp.members[req]
+            eng = self.engines[req.de]
+            eng.num_decoding -= 1
+            eng.ctx_tokens -= req.prompt + req.gen / 2.0
+            if eng.num_decoding == 0:
+                eng.ctx_tokens = 0.0
+                self._set_forward_load([req.de], False)
+        self._reschedule_decode(grp)
+        for req in done:
+            self._finish(req)
+
+    def _finish(self, req: Req) -> None:
+        now = self.loop.now_s
+        req.t_done = now
+        eng = self.engines[req.de]
+        eng.free_hbm_bytes += req.hbm_bytes
+        eng.num_seqs -= 1
+        eng.num_tokens -= self.policy.de_charge(self.waiting.pop(req.rid))
+        self.num_done += 1
+        if self.progress is not None:
+            self.progress(1)
+        if not self.mode.is_oracle:
+            new_blocks = (req.prompt + req.gen) // self.block - req.hit // self.block
+            if new_blocks > 0:
+                nd = self.nodes[eng.node]
+                nbytes = new_blocks * self.block * self.kv_bpt
+                self.net.start(Flow(
+                    [(eng.cnic_read, 1.0), (eng.cnic_write, 1.0), (nd.dram, 2.0),
+                     (nd.snic_write, 1.0)], nbytes, _noop))
+        lo_hi = self.agent_rows[req.agent]
+        nxt = self.agent_next[req.agent]
+        if nxt < lo_hi[1]:
+            self.agent_next[req.agent] = nxt + 1
+            self._arrive(req.agent, nxt)
+        else:
+            self._dispatch_de()
+
+
+def _noop() -> None:
+    return None
+
+
+def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
+    """Run one simulation. `progress(n)` is called as turns complete (for a progress bar)."""
+    return Simulator(config, progress).run()
