@@ -1,0 +1,342 @@
+"""GPU cost model: FLOPs- and bytes-based step times with fitted efficiency coefficients.
+
+Plain functions of (ModelSpec, HardwareSpec, CostCoefficients); no simulator or runtime imports.
+The simulator charges GPU time with them and the intra-engine scheduler packs batches with
+them, so both worlds agree on what a forward pass costs.
+
+Shape of the model (each term scaled by a fitted coefficient, the "trained roofline" recipe):
+
+- prefill attention, per engine and forward pass, from the batch's `(cached, bsz)` pairs:
+  `num_layers * per_layer_overhead_s + sum over pairs of
+  [attention_flops(cached, bsz) / (attention_efficiency * bf16 peak)
+   + bsz * attention-projection FLOPs / (linear_efficiency * linear peak)]`.
+  `attention_flops` is `ModelSpec.prefill_attention_flops`: causal scores, and for DeepSeek-V3.2
+  (MLA + DSA) scores over `min(context, top_k)` keys plus the lightning indexer over all keys.
+  The estimate is additive over pairs, which is what lets packing run in O(batch * log bsz).
+- prefill FFN (dense or MoE, active experts only) for `num_tokens` tokens on one engine, plus a
+  per-MoE-layer overhead (expert-parallel dispatch/combine latency).
+- decode step, memory bound: the engine's share of weights (MoE experts sharded over the node,
+  dense weights replicated) plus the KV it reads, over `decode_hbm_efficiency * HBM bandwidth`;
+  with DSA the indexer keys of all context tokens are read but main KV only for
+  `min(context, top_k)` of them. The step never runs faster than its compute time.
+
+Coefficients live in `dualpath/data/cost_coefficients.json`, one entry per (model, hardware)
+with `*` wildcards and a `source` note; override any of them with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+from dualpath.core.errors import DualPathError, SpecError
+from dualpath.core.hardware import HardwareSpec
+from dualpath.core.model import ModelSpec
+from dualpath.core.validate import non_negative, positive
+
+WILDCARD = "*"
+
+
+class CostFileError(DualPathError, ValueError):
+    """A cost-coefficient file that cannot be read or holds an invalid entry."""
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Fitted efficiencies and overheads of one (model, hardware) pair. Frozen, validated.
+
+    Efficiencies are fractions of the datasheet peak the kernels reach; overheads are seconds.
+    """
+
+    attention_efficiency: float
+    """Fraction of the BF16 peak reached by prefill attention (scores + DSA indexer)."""
+    linear_efficiency: float
+    """Fraction of the linear peak (FP8 or BF16, see `is_fp8_linear`) reached by GEMMs."""
+    decode_hbm_efficiency: float
+    """Fraction of HBM bandwidth a decode step reaches reading weights and KV."""
+    per_layer_overhead_s: float
+    """Fixed time per layer per forward pass (launches, norms, sync), attention side."""
+    per_step_overhead_s: float
+    """Fixed time per forward pass (scheduling, sampling, CPU-side work)."""
+    moe_layer_overhead_s: float
+    """Fixed time per MoE layer per forward pass (expert-parallel dispatch + combine)."""
+    is_fp8_linear: bool = True
+    """Linear layers run on FP8 tensor cores (DeepSeek) rather than BF16."""
+    source: str = ""
+    """Where the values come from, or what they were fitted to."""
+
+    def __post_init__(self) -> None:
+        owner = "cost_coefficients"
+        for name in ("attention_efficiency", "linear_efficiency", "decode_hbm_efficiency"):
+            value = getattr(self, name)
+            positive(owner, name, value)
+            if value > 1.0:
+                raise SpecError(owner, name, value, "is a fraction of peak and must be <= 1")
+        for name in ("per_layer_overhead_s", "per_step_overhead_s", "moe_layer_overhead_s"):
+            non_negative(owner, name, getattr(self, name))
+        if not isinstance(self.is_fp8_linear, bool):
+            raise SpecError(owner, "is_fp8_linear", self.is_fp8_linear, "must be true or false")
+
+
+_FIELDS = {f.name for f in fields(CostCoefficients)}
+
+
+def default_cost_file() -> Path:
+    """The packaged `dualpath/data/cost_coefficients.json`."""
+    return Path(str(resources.files("dualpath").joinpath("data/cost_coefficients.json")))
+
+
+def _read_entries(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CostFileError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CostFileError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    entries = doc.get("entries") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CostFileError(f"{path}: top level must be an object with a list of objects 'entries'")
+    return entries
+
+
+def _line_of(text: str, index: int) -> int:
+    """1-based line where the `index`-th entry object starts (for error messages)."""
+    seen = -1
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if '"model"' in line:
+            seen += 1
+            if seen == index:
+                return lineno
+    return 0
+
+
+def load_cost_coefficients(
+    model: str, hardware: str, path: str | Path | None = None
+) -> CostCoefficients:
+    """Coefficients for (model, hardware) from `path` (default: the packaged file).
+
+    Lookup order: exact (model, hardware), then (model, `*`), then (`*`, hardware), then
+    (`*`, `*`). Errors name the file, line and field.
+    """
+    p = Path(path) if path is not None else default_cost_file()
+    entries = _read_entries(p)
+    text = p.read_text(encoding="utf-8")
+    by_key: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+    for i, entry in enumerate(entries):
+        key = (str(entry.get("model", "")), str(entry.get("hardware", "")))
+        if not key[0] or not key[1]:
+            raise CostFileError(f"{p}:{_line_of(text, i)}: entry {i} needs 'model' and 'hardware'")
+        by_key[key] = (i, entry)
+    for key in ((model, hardware), (model, WILDCARD), (WILDCARD, hardware), (WILDCARD, WILDCARD)):
+        if key in by_key:
+            i, entry = by_key[key]
+            values = {k: v for k, v in entry.items() if k not in ("model", "hardware")}
+            unknown = sorted(set(values) - _FIELDS)
+            where = f"{p}:{_line_of(text, i)}"
+            if unknown:
+                raise CostFileError(
+                    f"{where}: entry {i} has unknown field(s) {', '.join(unknown)}; "
+                    f"valid: {', '.join(sorted(_FIELDS))}"
+                )
+            if not values.get("source"):
+                raise CostFileError(f"{where}: entry {i} needs a 'source' note")
+            try:
+                return CostCoefficients(**values)
+            except SpecError as exc:
+                raise CostFileError(f"{where}: entry {i}: {exc}") from None
+            except TypeError as exc:
+                raise CostFileError(f"{where}: entry {i}: {exc}") from None
+    raise CostFileError(
+        f"{p}: no entry for model {model!r} on hardware {hardware!r} and no '*' entry"
+    )
+
+
+def coefficients_for(model: ModelSpec, hw: HardwareSpec) -> CostCoefficients:
+    """Packaged coefficients for this model and hardware (by preset name)."""
+    return load_cost_coefficients(model.name, hw.name)
+
+
+# -- per-phase times -------------------------------------------------------------------------
+
+def _linear_flops_per_s(hw: HardwareSpec, coeffs: CostCoefficients) -> float:
+    peak = hw.gpu_fp8_flops_per_s if coeffs.is_fp8_linear else hw.gpu_bf16_flops_per_s
+    return peak * coeffs.linear_efficiency
+
+
+def attention_fixed_time_s(model: ModelSpec, coeffs: CostCoefficients) -> float:
+    """Request-independent attention time of one forward pass (all layers)."""
+    return model.num_layers * coeffs.per_layer_overhead_s
+
+
+def attention_pair_time_s(
+    model: ModelSpec, hw: HardwareSpec, cached_tokens: float, new_tokens: float,
+    coeffs: CostCoefficients,
+) -> float:
+    """Attention time (all layers) one request adds to a forward pass: scores + indexer for
+    `new_tokens` after `cached_tokens`, plus the attention projections of the new tokens.
+    Non-decreasing in both arguments; 0 when `new_tokens` is 0."""
+    if new_tokens <= 0:
+        return 0.0
+    score = model.prefill_attention_flops(cached_tokens, new_tokens) / (
+        hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency
+    )
+    proj = new_tokens * model.attn_linear_flops_per_token / _linear_flops_per_s(hw, coeffs)
+    return score + proj
+
+
+def prefill_attention_time_s(
+    model: ModelSpec, hw: HardwareSpec, pairs: Iterable[tuple[float, float]],
+    coeffs: CostCoefficients,
+) -> float:
+    """Attention-layer time of one forward pass on one engine for `(cached, bsz)` pairs."""
+    return attention_fixed_time_s(model, coeffs) + sum(
+        attention_pair_time_s(model, hw, c, b, coeffs) for c, b in pairs
+    )
+
+
+def _num_moe_layers(model: ModelSpec) -> int:
+    # ModelSpec does not record the dense-prefix layer count; the few dense layers of the
+    # DeepSeek models (3 of 61, 1 of 30) are charged the MoE overhead too (within fit error).
+    return model.num_layers if model.is_moe else 0
+
+
+def prefill_ffn_time_s(
+    model: ModelSpec, hw: HardwareSpec, num_tokens: float, coeffs: CostCoefficients
+) -> float:
+    """FFN / MoE time of one forward pass on one engine processing `num_tokens` new tokens
+    (active experts only; expert-parallel latency as a per-MoE-layer overhead)."""
+    compute = num_tokens * model.ffn_flops_per_token / _linear_flops_per_s(hw, coeffs)
+    return compute + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
+
+
+def prefill_step_time_s(
+    model: ModelSpec, hw: HardwareSpec, pairs: Sequence[tuple[float, float]],
+    coeffs: CostCoefficients,
+) -> float:
+    """One whole prefill forward pass on one engine: attention + FFN + per-step overhead."""
+    num_new = sum(b for _, b in pairs)
+    return (
+        prefill_attention_time_s(model, hw, pairs, coeffs)
+        + prefill_ffn_time_s(model, hw, num_new, coeffs)
+        + coeffs.per_step_overhead_s
+    )
+
+
+def _indexer_key_bytes_per_layer(model: ModelSpec) -> float:
+    # Same layout as core.model: FP8 indexer key plus one fp32 scale per token per layer.
+    return float(model.dsa_index_head_dim + 4) if model.dsa_top_k else 0.0
+
+
+def decode_kv_read_bytes(model: ModelSpec, batch_size: int, total_context_tokens: float) -> float:
+    """KV bytes one decode step reads for `batch_size` sequences of `total_context_tokens`.
+
+    With DSA the indexer keys of every context token are read, but main KV only for
+    `min(context, top_k)` tokens per sequence; per-sequence contexts are not known here, so the
+    main part is `min(total, batch * top_k)` (exact when all contexts are >= top_k, or all <=).
+    """
+    if not model.dsa_top_k:
+        return model.kv_bytes_per_token * total_context_tokens
+    index_bytes = _indexer_key_bytes_per_layer(model)
+    main_bytes = model.kv_bytes_per_token_per_layer - index_bytes
+    main_tokens = min(total_context_tokens, batch_size * model.dsa_top_k)
+    return model.num_layers * (index_bytes * total_context_tokens + main_bytes * main_tokens)
+
+
+def decode_weight_read_bytes(model: ModelSpec, hw: HardwareSpec) -> float:
+    """Weight bytes one engine reads per decode step: MoE weights are expert-sharded over the
+    node's GPUs (attention replicated is within fit error); dense models replicate them."""
+    return model.weight_bytes / hw.gpus_per_node if model.is_moe else model.weight_bytes
+
+
+def decode_step_time_s(
+    model: ModelSpec, hw: HardwareSpec, batch_size: int, total_context_tokens: float,
+    coeffs: CostCoefficients,
+) -> float:
+    """One decode step on one engine (one token for each of `batch_size` sequences holding
+    `total_context_tokens` tokens in all): max(memory time, compute time) + overheads."""
+    if batch_size <= 0:
+        return 0.0
+    read = decode_weight_read_bytes(model, hw) + decode_kv_read_bytes(
+        model, batch_size, total_context_tokens
+    )
+    memory_s = read / (hw.hbm_bytes_per_s * coeffs.decode_hbm_efficiency)
+    attn_keys = (
+        min(total_context_tokens, batch_size * model.dsa_top_k)
+        if model.dsa_top_k else total_context_tokens
+    )
+    per_key = 2.0 * model.num_attention_heads * (model.attn_qk_head_dim + model.attn_v_head_dim)
+    attn_flops = model.num_layers * (
+        per_key * attn_keys + model.indexer_flops_per_layer(total_context_tokens)
+    )
+    compute_s = attn_flops / (hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency) + (
+        batch_size * (model.attn_linear_flops_per_token + model.ffn_flops_per_token)
+        / _linear_flops_per_s(hw, coeffs)
+    )
+    overhead_s = (
+        model.num_layers * coeffs.per_layer_overhead_s
+        + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
+        + coeffs.per_step_overhead_s
+    )
+    return max(memory_s, compute_s) + overhead_s
+
+
+# -- the estimator interface intra-engine packing takes --------------------------------------
+
+class AttentionTimeEstimator(Protocol):
+    """Additive estimate of a forward pass's attention-layer time on one engine:
+    `fixed_time_s() + sum(pair_time_s(cached, bsz) for each pair)`.
+
+    Contract: `pair_time_s` is >= 0, 0 for `bsz == 0`, and non-decreasing in `bsz` (packing
+    binary-searches on it).
+    """
+
+    def fixed_time_s(self) -> float: ...
+
+    def pair_time_s(self, cached_tokens: int, new_tokens: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class CostModelEstimator:
+    """The cost model as an `AttentionTimeEstimator` (what the simulator charges)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    coeffs: CostCoefficients
+
+    def fixed_time_s(self) -> float:
+        return attention_fixed_time_s(self.model, self.coeffs)
+
+    def pair_time_s(self, cached_tokens: int, new_tokens: int) -> float:
+        return attention_pair_time_s(self.model, self.hardware, cached_tokens, new_tokens,
+                                     self.coeffs)
+
+
+def batch_attention_time_s(
+    estimator: AttentionTimeEstimator, pairs: Iterable[tuple[int, int]]
+) -> float:
+    """Estimated attention time of a whole batch of `(cached, bsz)` pairs."""
+    return estimator.fixed_time_s() + sum(estimator.pair_time_s(c, b) for c, b in pairs)
+
+
+def prefill_tokens_per_s(
+    model: ModelSpec, hw: HardwareSpec, cached_tokens: float, new_tokens: float,
+    coeffs: CostCoefficients, compute_quota_s: float = 0.3,
+) -> float:
+    """Prompt tokens (cached + new) one engine completes per second when it prefills requests
+    of this one shape back to back, packing as many per forward pass as the attention compute
+    quota admits (at least one), so fixed overheads are amortised as in steady state."""
+    positive("cost", "compute_quota_s", compute_quota_s)
+    pair_s = attention_pair_time_s(model, hw, cached_tokens, new_tokens, coeffs)
+    room_s = compute_quota_s - attention_fixed_time_s(model, coeffs)
+    per_pass = max(1, int(room_s // pair_s)) if pair_s > 0 and room_s > 0 else 1
+    t = prefill_step_time_s(model, hw, [(cached_tokens, new_tokens)] * per_pass, coeffs)
+    if t <= 0 or not math.isfinite(t):
+        raise SpecError("cost", "prefill_step_time_s", t, "must be a finite number > 0")
+    return per_pass * (cached_tokens + new_tokens) / t

@@ -1,0 +1,211 @@
+"""Inter-engine DE scheduling, two levels (paper §6.1), and the round-robin baselines.
+
+Phase 1 (`de_global_drain`): when any DE group fetches, the whole global queue is drained, each
+request going to the group with the minimum load, whose load then grows by the request's
+`len`. Does not preserve global FIFO across groups; does preserve it within each group.
+
+Phase 2 (`de_group_fetch`), within the fetching group with engines E:
+- R: the FIFO prefix of the private queue that fits the group's total free HBM assuming no
+  fragmentation (`SchedulerParams.r_set_stops_at_first_misfit`: stop at, or skip, a misfit);
+- `Z = z_factor * (sum of len over R + sum of tok over E) / |E|`;
+- then the head request r goes, among DEs with free HBM >= need(r), to the minimum-`seq` DE
+  with `tok + len(r) <= Z`, else to the minimum-`tok` DE (ties: lower engine id); that DE's
+  seq, tok and free HBM are updated; the fetch ends when no DE has enough HBM for the head.
+
+`len(r)` is `SchedulerParams.de_tok_charge` of r, the same amount it adds to `tok`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+
+from dualpath.core.errors import SpecError
+from dualpath.sched.params import SchedulerParams
+from dualpath.sched.path import apply_read_plan, plan_read
+from dualpath.sched.snapshot import check_reports, read_queues_by_node
+from dualpath.sched.types import (
+    DEAssignment,
+    DEFetch,
+    EngineReport,
+    GroupAssignment,
+    ReadPlan,
+    Role,
+    WaitingRequest,
+)
+
+
+def de_global_drain(
+    queue: Iterable[WaitingRequest],
+    group_load_tokens: Mapping[int, int],
+    params: SchedulerParams,
+) -> tuple[GroupAssignment, ...]:
+    """Phase 1: every request of `queue` to the group of minimum load (ties: lower group id).
+
+    `group_load_tokens` maps each DE group to its load: the sum of its engines' `tok`, plus
+    (recommended) the `len` of requests already waiting in its private queue, which are
+    committed to it but not yet in any `tok`. O(n log groups).
+    """
+    if not group_load_tokens:
+        raise SpecError("de_drain", "group_load_tokens", {}, "needs at least one DE group")
+    heap = [(load, gid) for gid, load in group_load_tokens.items()]
+    heapq.heapify(heap)
+    out: list[GroupAssignment] = []
+    for r in queue:
+        load, gid = heap[0]
+        heapq.heapreplace(heap, (load + params.de_tok_charge.tokens(r), gid))
+        out.append(GroupAssignment(r.request_id, gid))
+    return tuple(out)
+
+
+def de_global_drain_round_robin(
+    queue: Iterable[WaitingRequest], group_ids: Sequence[int], start: int = 0
+) -> tuple[tuple[GroupAssignment, ...], int]:
+    """Baseline phase 1: groups in turn from position `start`; returns the next start."""
+    if not group_ids:
+        raise SpecError("de_drain", "group_ids", group_ids, "needs at least one DE group")
+    pos = start % len(group_ids)
+    out: list[GroupAssignment] = []
+    for r in queue:
+        out.append(GroupAssignment(r.request_id, group_ids[pos]))
+        pos = (pos + 1) % len(group_ids)
+    return tuple(out), pos
+
+
+def r_set(
+    queue: Iterable[WaitingRequest], total_free_hbm_bytes: int, params: SchedulerParams
+) -> tuple[list[WaitingRequest], int, int]:
+    """(the FIFO-prefix candidates for placement, |R|, sum of len over R).
+
+    The prefix is what the placement loop may reach: it stops at the first request that does
+    not fit the remaining total, since placing per engine can never fit more than the total.
+    """
+    free = total_free_hbm_bytes
+    prefix: list[WaitingRequest] = []
+    num_r, len_r = 0, 0
+    in_prefix = True
+    for r in queue:
+        need = params.hbm_bytes(r)
+        if need <= free:
+            free -= need
+            num_r += 1
+            len_r += params.de_tok_charge.tokens(r)
+            if in_prefix:
+                prefix.append(r)
+        elif params.r_set_stops_at_first_misfit:
+            break
+        else:
+            in_prefix = False
+    return prefix, num_r, len_r
+
+
+def de_group_fetch(
+    private_queue: Iterable[WaitingRequest],
+    reports: Sequence[EngineReport],
+    params: SchedulerParams,
+    *,
+    pe_node_of: Mapping[int, int] | None = None,
+    read_q_tokens_by_node: Mapping[int, int] | None = None,
+) -> DEFetch:
+    """Phase 2 for one DE group fetch over its private FIFO queue (head first).
+
+    `pe_node_of` maps a request id to its PE's node when the PE is already bound (PE-first
+    order); for those requests the read path is chosen here and added to the read queues.
+
+    Invariants kept: no engine is given more HBM than it reported free (nor the group more
+    than its total); a DE with `tok + len > Z` is chosen only when no DE with enough HBM is
+    under Z; assignments are a FIFO prefix of `private_queue`; inputs are not changed.
+    Cost: O(|E| + |R|) for R and Z, then per assignment a scan of the engines in `seq` order
+    that stops at the first one under Z with enough HBM (O(|E|) only when none is).
+    """
+    check_reports(reports, Role.DECODE)
+    n = len(reports)
+    engine_ids = [r.engine_id for r in reports]
+    seq = [r.num_seqs for r in reports]
+    tok = [r.num_tokens for r in reports]
+    free = [r.free_hbm_bytes for r in reports]
+    read_q = read_queues_by_node(reports, read_q_tokens_by_node)
+    decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
+    candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params)
+    z = params.z_factor * (len_r + sum(tok)) / n
+    by_seq = sorted((seq[i], engine_ids[i], i) for i in range(n))
+    assignments: list[DEAssignment] = []
+    for r in candidates:
+        need = params.hbm_bytes(r)
+        length = params.de_tok_charge.tokens(r)
+        chosen, fallback = -1, -1
+        for _, _, i in by_seq:
+            if free[i] < need:
+                continue
+            if tok[i] + length <= z:
+                chosen = i
+                break
+            if fallback < 0 or (tok[i], engine_ids[i]) < (tok[fallback], engine_ids[fallback]):
+                fallback = i
+        if chosen < 0:
+            chosen = fallback
+            if chosen < 0:
+                break  # no DE has enough HBM for the head: the fetch ends
+        del by_seq[bisect.bisect_left(by_seq, (seq[chosen], engine_ids[chosen], chosen))]
+        seq[chosen] += 1
+        tok[chosen] += length
+        free[chosen] -= need
+        bisect.insort(by_seq, (seq[chosen], engine_ids[chosen], chosen))
+        rep = reports[chosen]
+        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)
+        assignments.append(DEAssignment(r.request_id, rep.engine_id, rep.node_id, need, plan))
+    return DEFetch(tuple(assignments), z, num_r, read_q)
+
+
+def _plan_de(
+    params: SchedulerParams,
+    r: WaitingRequest,
+    de_node: int,
+    pe_node_of: Mapping[int, int] | None,
+    decide_q: dict[int, int],
+    read_q: dict[int, int],
+) -> ReadPlan | None:
+    if pe_node_of is None or r.request_id not in pe_node_of:
+        return None
+    pe_node = pe_node_of[r.request_id]
+    plan = plan_read(params.path_mode, r.hit_tokens, pe_node, de_node,
+                     decide_q.get(pe_node, 0), decide_q.get(de_node, 0),
+                     params.block_size_tokens, tie_side=params.dual_tie_side)
+    apply_read_plan(plan, read_q)
+    return plan
+
+
+def de_group_fetch_round_robin(
+    private_queue: Iterable[WaitingRequest],
+    reports: Sequence[EngineReport],
+    params: SchedulerParams,
+    start: int = 0,
+    *,
+    pe_node_of: Mapping[int, int] | None = None,
+    read_q_tokens_by_node: Mapping[int, int] | None = None,
+) -> tuple[DEFetch, int]:
+    """Baseline phase 2: the head goes to the next engine in report order from `start` that
+    has enough HBM (ignoring seq, tok and Z); the fetch ends when none has. Returns the fetch
+    and the next start. Same HBM admission as `de_group_fetch`."""
+    check_reports(reports, Role.DECODE)
+    n = len(reports)
+    free = [r.free_hbm_bytes for r in reports]
+    read_q = read_queues_by_node(reports, read_q_tokens_by_node)
+    decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
+    pos = start % n
+    assignments: list[DEAssignment] = []
+    for r in private_queue:
+        need = params.hbm_bytes(r)
+        for k in range(n):
+            if free[(pos + k) % n] >= need:
+                i = (pos + k) % n
+                break
+        else:
+            break
+        free[i] -= need
+        pos = (i + 1) % n
+        rep = reports[i]
+        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)
+        assignments.append(DEAssignment(r.request_id, rep.engine_id, rep.node_id, need, plan))
+    return DEFetch(tuple(assignments), 0.0, 0, read_q), pos

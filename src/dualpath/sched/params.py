@@ -1,0 +1,186 @@
+"""Scheduler parameters: the paper's constants and every [INF] choice, as named fields.
+
+The paper (A.4) sets `alpha` to the tokens a node's storage NIC reads in 3 s and `beta` to the
+tokens one GPU processes in 5 s, "profiled in advance"; `derive_scheduler_params` computes both
+from the specs and the cost model, and any field can be overridden.
+
+Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken here:
+
+- `pe_tok_charge` / `de_tok_charge` (what a request adds to `tok`): `PROMPT` (cached + appended
+  tokens). `tok` is "the total token count" of unfinished requests, and KV read, attention and
+  decode-side KV all scale with the whole prompt, not the miss part.
+- `update_read_q_within_fetch`: `True`. When a fetch knows a request's read path it adds the
+  read to the chosen node's `read_q` at once, so one fetch that assigns many requests does not
+  keep sending them to a node whose queue it has already filled (the purpose of category 2).
+- `assignment_order` (PE first or DE first): `DE_FIRST`. Both paths need the DE before prefill
+  (PE step 6 / DE step 1 target it), and binding the DE first lets the PE fetch choose the read
+  path and update `read_q` in the same pass.
+- `hbm_need` (what HBM a DE reserves): `PROMPT_PLUS_GEN`, the KV of the prompt and of every
+  token the turn will generate, so an admitted request never needs preemption.
+- `r_set_stops_at_first_misfit` (how R is traversed): `True`; R is the FIFO prefix that fits
+  the group's total free HBM, matching the FIFO head-only placement loop after it.
+- `dual_tie_side`: on equal read queues read on the PE side (no extra compute-NIC hop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
+from dualpath.core.errors import SpecError
+from dualpath.core.hardware import HardwareSpec
+from dualpath.core.model import ModelSpec
+from dualpath.core.validate import non_negative, positive, positive_int
+from dualpath.sched.cost import CostCoefficients, coefficients_for, prefill_tokens_per_s
+from dualpath.sched.types import ReadSide, WaitingRequest
+
+
+class TokCharge(str, Enum):
+    """Tokens a request adds to its engine's `tok` ([INF])."""
+
+    PROMPT = "prompt"
+    """cached + appended tokens (default)."""
+    PROMPT_PLUS_GEN = "prompt+gen"
+    MISS = "miss"
+    """appended (uncached) tokens only."""
+
+    def tokens(self, r: WaitingRequest) -> int:
+        if self is TokCharge.PROMPT:
+            return r.prompt_tokens
+        if self is TokCharge.PROMPT_PLUS_GEN:
+            return r.prompt_tokens + r.gen_tokens
+        return r.miss_tokens
+
+
+class HbmNeed(str, Enum):
+    """HBM a decode engine reserves for a request ([INF])."""
+
+    PROMPT = "prompt"
+    PROMPT_PLUS_GEN = "prompt+gen"
+    """default: the KV of the prompt and of all generated tokens."""
+
+
+class AssignmentOrder(str, Enum):
+    """Which engine a request is bound to first ([INF])."""
+
+    DE_FIRST = "de-first"
+    PE_FIRST = "pe-first"
+
+
+class PathMode(str, Enum):
+    """Read-path policy: PE side only (Basic), the shorter queue (paper), or split (ours)."""
+
+    PE = "pe"
+    DUAL = "dual"
+    SPLIT = "split"
+
+
+# Paper A.4 constants.
+ALPHA_READ_S = 3.0
+BETA_PROCESS_S = 5.0
+Z_FACTOR = 1.05
+COMPUTE_QUOTA_S = 0.3
+# Representative turn for beta: the 64K dataset's averages (Table 2: context 32721, append
+# 429), the set the online experiments most likely use and Table 1's append length.
+REFERENCE_CACHED_TOKENS = 32721
+REFERENCE_NEW_TOKENS = 429
+REFERENCE_GEN_TOKENS = 176
+
+
+@dataclass(frozen=True)
+class SchedulerParams:
+    """Every knob of the inter- and intra-engine policies. Frozen, validated on construction;
+    derive with `derive_scheduler_params`, change with `dataclasses.replace`."""
+
+    alpha_tokens: float
+    """Short-read-queue threshold: `read_q <= alpha` is category 2 (paper: 3 s of SNIC reads)."""
+    beta_tokens: float
+    """Unfinished-token limit: `tok > beta` is overloaded (paper: 5 s of one GPU's work)."""
+    kv_bytes_per_token: float
+    """KV bytes of one token over all layers (HBM need of a request)."""
+    z_factor: float = Z_FACTOR
+    compute_quota_s: float = COMPUTE_QUOTA_S
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE
+    path_mode: PathMode = PathMode.DUAL
+    pe_tok_charge: TokCharge = TokCharge.PROMPT
+    de_tok_charge: TokCharge = TokCharge.PROMPT
+    hbm_need: HbmNeed = HbmNeed.PROMPT_PLUS_GEN
+    update_read_q_within_fetch: bool = True
+    assignment_order: AssignmentOrder = AssignmentOrder.DE_FIRST
+    r_set_stops_at_first_misfit: bool = True
+    dual_tie_side: ReadSide = ReadSide.PE
+
+    def __post_init__(self) -> None:
+        owner = "scheduler"
+        non_negative(owner, "alpha_tokens", self.alpha_tokens)
+        non_negative(owner, "beta_tokens", self.beta_tokens)
+        positive(owner, "kv_bytes_per_token", self.kv_bytes_per_token)
+        positive(owner, "z_factor", self.z_factor)
+        positive(owner, "compute_quota_s", self.compute_quota_s)
+        positive_int(owner, "block_size_tokens", self.block_size_tokens)
+        for name, kind in (
+            ("path_mode", PathMode), ("pe_tok_charge", TokCharge), ("de_tok_charge", TokCharge),
+            ("hbm_need", HbmNeed), ("assignment_order", AssignmentOrder),
+            ("dual_tie_side", ReadSide),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                valid = ", ".join(k.value for k in kind)
+                raise SpecError(owner, name, value, f"must be one of {valid}")
+        for name in ("update_read_q_within_fetch", "r_set_stops_at_first_misfit"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(owner, name, getattr(self, name), "must be true or false")
+
+    def hbm_bytes(self, r: WaitingRequest) -> int:
+        """HBM a decode engine must reserve for `r` (see `hbm_need`)."""
+        tokens = r.prompt_tokens + (r.gen_tokens if self.hbm_need is HbmNeed.PROMPT_PLUS_GEN else 0)
+        return int(-(-tokens * self.kv_bytes_per_token // 1))  # ceil: never under-reserve
+
+    def with_overrides(self, **fields: object) -> SchedulerParams:
+        """A copy with some fields replaced (validated again)."""
+        return replace(self, **fields)  # type: ignore[arg-type]
+
+
+def derive_alpha_tokens(model: ModelSpec, hw: HardwareSpec, read_s: float = ALPHA_READ_S) -> float:
+    """Tokens' worth of KV one node's storage NIC reads in `read_s` seconds."""
+    return hw.storage_nic_bytes_per_s * read_s / model.kv_bytes_per_token
+
+
+def derive_beta_tokens(
+    model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients,
+    process_s: float = BETA_PROCESS_S, charge: TokCharge = TokCharge.PROMPT,
+    cached_tokens: int = REFERENCE_CACHED_TOKENS, new_tokens: int = REFERENCE_NEW_TOKENS,
+    gen_tokens: int = REFERENCE_GEN_TOKENS, compute_quota_s: float = COMPUTE_QUOTA_S,
+) -> float:
+    """`tok` one GPU works off in `process_s` seconds prefilling the representative turn,
+    counted in the same unit `tok` is charged in (`charge`)."""
+    prompt = cached_tokens + new_tokens
+    requests_per_s = prefill_tokens_per_s(
+        model, hw, cached_tokens, new_tokens, coeffs, compute_quota_s
+    ) / prompt
+    r = WaitingRequest(0, prompt, cached_tokens, gen_tokens)
+    return process_s * requests_per_s * charge.tokens(r)
+
+
+def derive_scheduler_params(
+    model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients | None = None,
+    **overrides: object,
+) -> SchedulerParams:
+    """Paper-default parameters for this model and hardware; `overrides` replace any field
+    (an explicit `alpha_tokens` / `beta_tokens` skips its derivation)."""
+    coeffs = coeffs if coeffs is not None else coefficients_for(model, hw)
+    charge = overrides.get("pe_tok_charge", TokCharge.PROMPT)
+    quota = overrides.get("compute_quota_s", COMPUTE_QUOTA_S)
+    if not isinstance(charge, TokCharge):
+        raise SpecError("scheduler", "pe_tok_charge", charge, "must be a TokCharge")
+    if not isinstance(quota, int | float):
+        raise SpecError("scheduler", "compute_quota_s", quota, "must be a number")
+    fields: dict[str, object] = {
+        "alpha_tokens": derive_alpha_tokens(model, hw),
+        "beta_tokens": derive_beta_tokens(model, hw, coeffs, charge=charge,
+                                          compute_quota_s=float(quota)),
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+    }
+    fields.update(overrides)
+    return SchedulerParams(**fields)  # type: ignore[arg-type]

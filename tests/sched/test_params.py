@@ -1,0 +1,45 @@
+"""alpha/beta derivation and validation of the scheduler parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.core.errors import SpecError
+from dualpath.core.hardware import hardware_preset
+from dualpath.core.model import model_preset
+from dualpath.sched import (
+    PathMode,
+    SchedulerParams,
+    TokCharge,
+    coefficients_for,
+    derive_scheduler_params,
+)
+from dualpath.sched.cost import prefill_tokens_per_s
+
+H800 = hardware_preset("h800-deepseek")
+V32 = model_preset("deepseek-v3.2")
+
+
+def test_alpha_is_three_seconds_of_storage_nic_reads() -> None:
+    p = derive_scheduler_params(V32, H800)
+    assert p.alpha_tokens == pytest.approx(50e9 * 3 / V32.kv_bytes_per_token)
+    assert p.kv_bytes_per_token == V32.kv_bytes_per_token
+    assert (p.z_factor, p.compute_quota_s, p.path_mode) == (1.05, 0.3, PathMode.DUAL)
+
+
+def test_beta_is_five_seconds_of_one_gpu_prefill_in_tok_units() -> None:
+    c = coefficients_for(V32, H800)
+    p = derive_scheduler_params(V32, H800, c)
+    assert p.beta_tokens == pytest.approx(5 * prefill_tokens_per_s(V32, H800, 32721, 429, c))
+    miss = derive_scheduler_params(V32, H800, c, pe_tok_charge=TokCharge.MISS)
+    assert miss.beta_tokens == pytest.approx(p.beta_tokens * 429 / (32721 + 429))
+
+
+def test_overrides_win_and_bad_values_name_the_field() -> None:
+    p = derive_scheduler_params(V32, H800, alpha_tokens=7, beta_tokens=8, z_factor=1.2)
+    assert (p.alpha_tokens, p.beta_tokens, p.z_factor) == (7, 8, 1.2)
+    with pytest.raises(SpecError, match=r"scheduler\.z_factor=0"):
+        derive_scheduler_params(V32, H800, z_factor=0)
+    with pytest.raises(SpecError, match=r"scheduler\.path_mode='dual'"):
+        SchedulerParams(alpha_tokens=1, beta_tokens=1, kv_bytes_per_token=1,
+                        path_mode="dual")  # type: ignore[arg-type]
