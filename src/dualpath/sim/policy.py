@@ -49,21 +49,22 @@ class Policy:
         return self.params.de_tok_charge.tokens(r)
 
     def de_groups(
-        self, queue: list[WaitingRequest], reports: list[list[EngineReport]]
+        self, queue: list[WaitingRequest], group_tok: list[int]
     ) -> list[tuple[int, int]]:
-        """DE phase 1: (request id, group index) for every request of the global queue."""
-        while len(self.private) < len(reports):
+        """DE phase 1: (request id, group index) for every request of the global queue;
+        `group_tok[g]` is the sum of `tok` over group g's engines."""
+        while len(self.private) < len(group_tok):
             self.private.append(deque())
         if self.is_dualpath:
+            # A group's load includes the requests already committed to its private queue.
             load = {
-                gi: sum(r.num_tokens for r in reps)
-                + sum(self.de_charge(_waiting(q)) for q in self.private[gi])
-                for gi, reps in enumerate(reports)
+                gi: tok + sum(self.de_charge(_waiting(q)) for q in self.private[gi])
+                for gi, tok in enumerate(group_tok)
             }
             out = de.de_global_drain(queue, load, self.params)
         else:
             out, self._rr_group = de.de_global_drain_round_robin(
-                queue, list(range(len(reports))), self._rr_group
+                queue, list(range(len(group_tok))), self._rr_group
             )
         return [(a.request_id, a.group_id) for a in out]
 

@@ -252,10 +252,9 @@ class Simulator:
         """Two-level DE scheduling: the global queue to groups, then each group's fetch."""
         pol = self.policy
         if self.de_global:
-            all_reports = [[self._report(self.engines[e], Role.DECODE) for e in grp.engines]
-                           for grp in self.dgroups]
-            queue = [self.waiting[r.rid] for r in self.de_global]
-            for rid, gi in pol.de_groups(queue, all_reports):
+            loads = [sum(self.engines[e].num_tokens for e in grp.engines) for grp in self.dgroups]
+            waiting = [self.waiting[r.rid] for r in self.de_global]
+            for rid, gi in pol.de_groups(waiting, loads):
                 pol.private[gi].append(self.reqs[rid])
             self.de_global.clear()
         moved = False
@@ -544,18 +543,20 @@ class Simulator:
         eng.ctx_tokens += req.prompt + req.gen / 2.0
         if eng.num_decoding == 1:
             self._set_forward_load([req.de], True)
-        self._reschedule_decode(grp)
+        self._reschedule_decode(grp, req.de)
         req.t_second = now + (start - s + 1.0) * grp.step_s
 
-    def _reschedule_decode(self, grp: _DecodeGroup) -> None:
-        model, hw, coeffs = self.model, self.hw, self.coeffs
-        step = 0.0
-        for e in grp.engines:
-            eng = self.engines[e]
-            if eng.num_decoding:
-                t = costmod.decode_step_time_s(model, hw, eng.num_decoding, eng.ctx_tokens, coeffs)
-                if t > step:
-                    step = t
+    def _reschedule_decode(self, grp: _DecodeGroup, changed: int = -1) -> None:
+        """New step time after engine `changed` gained or lost a member (synchronized group:
+        the slowest engine sets the pace), and the next completion event."""
+        if changed >= 0:
+            eng = self.engines[changed]
+            eng.decode_step_s = (
+                costmod.decode_step_time_s(self.model, self.hw, eng.num_decoding,
+                                           eng.ctx_tokens, self.coeffs)
+                if eng.num_decoding else 0.0
+            )
+        step = max(self.engines[e].decode_step_s for e in grp.engines)
         grp.step_s = step
         if grp.handle:
             self.loop.cancel(grp.handle)
@@ -579,7 +580,10 @@ class Simulator:
             if eng.num_decoding == 0:
                 eng.ctx_tokens = 0.0
                 self._set_forward_load([req.de], False)
-        self._reschedule_decode(grp)
+        for e in {r.de for r in done}:
+            self._reschedule_decode(grp, e)
+        if not done:
+            self._reschedule_decode(grp)
         for req in done:
             self._finish(req)
 

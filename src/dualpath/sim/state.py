@@ -133,6 +133,7 @@ class Engine:
         "cnic_read",
         "cnic_write",
         "ctx_tokens",
+        "decode_step_s",
         "free_hbm_bytes",
         "idx",
         "node",
@@ -158,3 +159,5 @@ class Engine:
         self.num_decoding = 0
         self.ctx_tokens = 0.0
         """DE: sum of the decoding requests' mean contexts (what a decode step reads)."""
+        self.decode_step_s = 0.0
+        """DE: the cost model's step time for the current decode batch (cached)."""

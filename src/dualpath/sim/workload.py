@@ -84,3 +84,29 @@ class Workload:
         np.cumsum([len(a) for a in agents], out=starts[1:])
         times = None if arrival_s is None else np.asarray(arrival_s, dtype=np.float64)
         return cls(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), starts, times)
+
+
+def agent_workload(
+    trace: str = "64k",
+    num_agents: int = 64,
+    *,
+    seed: int = 0,
+    max_len_tokens: int | None = None,
+    append_factor: float = 1.0,
+    gen_factor: float = 1.0,
+    block_size: int = 64,
+) -> Workload:
+    """`num_agents` agents replaying the Table-2 synthetic trajectories of `trace` (32k, 48k,
+    64k), optionally truncated at MAL `max_len_tokens` and with append/gen lengths scaled, with
+    more agents than trajectories made by `workload.replay.expand_agents` (paper A.3)."""
+    from dualpath.workload.replay import expand_agents, scale_lengths, truncate_at
+    from dualpath.workload.synthetic import generate, preset
+
+    trajs = generate(preset(trace), seed)
+    if append_factor != 1.0 or gen_factor != 1.0:
+        trajs = [scale_lengths(t, append_factor, gen_factor, max_len_tokens) for t in trajs]
+    elif max_len_tokens is not None:
+        trajs = [truncate_at(t, max_len_tokens) for t in trajs]
+    agents = expand_agents(trajs, num_agents, seed)
+    table = TurnTable.from_trajectories([a.trajectory for a in agents], block_size)
+    return Workload.from_turn_table(table)

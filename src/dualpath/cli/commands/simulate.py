@@ -1,0 +1,169 @@
+"""`dualpath simulate`: run the cluster simulator on a preset cluster, model and agent trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dualpath.cli.common import add_cluster_args, cluster_from_args
+from dualpath.core.errors import DualPathError
+from dualpath.core.units import GB
+from dualpath.sim import MODE_PRESETS, Driver, SimConfig, SimParams, SimResult, mode_preset
+from dualpath.sim import simulate as run_sim
+from dualpath.sim.workload import agent_workload
+
+
+class SimulateArgsError(DualPathError, ValueError):
+    """A bad combination of `dualpath simulate` options."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a PD-disaggregated cluster running DualPath (or a baseline) on agent traces",
+        description=(
+            "Discrete-event simulation of a PD-disaggregated cluster: the real dualpath.sched "
+            "policies, storage/compute NICs, DRAM and HBM charged hop by hop for both KV read "
+            "paths. Several --mode values run side by side and their JCTs are compared."
+        ),
+    )
+    add_cluster_args(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default="64k",
+                   help="Table-2 trace: 32k, 48k, 64k (default: %(default)s)")
+    w.add_argument("--agents", type=int, default=64, help="agents (default: %(default)s)")
+    w.add_argument("--mal", type=int, metavar="TOKENS", help="truncate trajectories at this MAL")
+    w.add_argument("--append-scale", type=float, default=1.0, help="scale every append length")
+    w.add_argument("--gen-scale", type=float, default=1.0, help="scale every generation length")
+    w.add_argument("--online-aps", type=float, metavar="APS",
+                   help="online: Poisson agent arrivals per second (default: offline)")
+    w.add_argument("--max-duration", type=float, default=3600.0, metavar="S",
+                   help="online: stop after this many simulated seconds (default: %(default)s)")
+    s = p.add_argument_group("simulation")
+    s.add_argument(
+        "--mode", action="append", metavar="MODE",
+        help=f"mode(s): {', '.join(MODE_PRESETS)}; repeat or comma-separate "
+        "(default: basic,dualpath,oracle)",
+    )
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--storage-cluster-gbps", type=float, default=0.0, metavar="GB/S",
+                   help="aggregate read cap of the storage cluster (default: none)")
+    s.add_argument("--inference-load", type=float, default=0.0, metavar="FRACTION",
+                   help="high-priority traffic share of a compute NIC during forward passes")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    o.add_argument("--csv", metavar="PATH",
+                   help="per-request CSV (one file per mode: PATH with the mode inserted)")
+    o.add_argument("--plot", metavar="PATH", help="PNG of per-resource utilization over time")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _modes(args: argparse.Namespace) -> list[str]:
+    raw = args.mode or ["basic,dualpath,oracle"]
+    names = [m.strip() for item in raw for m in item.split(",") if m.strip()]
+    for name in names:
+        mode_preset(name)  # validates, listing the valid names
+    return names
+
+
+def _render(results: dict[str, SimResult]) -> str:
+    lines = []
+    first = next(iter(results.values()))
+    lines.append(f"cluster {first.cluster}, {first.num_requests} turns")
+    head = f"  {'mode':<10} {'JCT s':>10} {'vs basic':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+    head += f"{'TPOT ms':>8} {'SNIC util':>9} {'SNIC M/A':>9} {'attn M/A':>9}"
+    lines.append(head)
+    base = results.get("basic")
+    for name, r in results.items():
+        ttft = r.percentiles(r.ttft_s)
+        tpot = r.tpot_s
+        snic = r.resources["snic_read"].mean_utilization
+        speed = f"{base.jct_s / r.jct_s:.2f}x" if base is not None and r.jct_s > 0 else "-"
+        lines.append(
+            f"  {name:<10} {r.jct_s:>10.1f} {speed:>9} {ttft['p50']:>9.2f} {ttft['p99']:>9.2f} "
+            f"{(tpot.mean() * 1e3 if len(tpot) else 0.0):>8.1f} {snic:>9.1%} "
+            f"{r.storage_nic_max_over_avg:>9.2f} {r.attention_max_over_avg:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, SimResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("snic_read", "pe_cnic_read", "pe_cnic_write", "de_cnic_read", "de_cnic_write",
+             "de_dram")
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.6 * len(results)), squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], results.items(), strict=True):
+        for kind in kinds:
+            series = r.resources[kind].series
+            ax.plot([i * r.utilization_bin_s for i in range(len(series))], series, label=kind)
+        ax.set_title(f"{name}: mean utilization per resource kind")
+        ax.set_ylabel("utilization")
+        ax.set_ylim(0, 1.05)
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    axes[0, 0].legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = cluster_from_args(args)
+    modes = _modes(args)
+    if args.agents < 1:
+        raise SimulateArgsError(f"--agents={args.agents}: must be >= 1")
+    workload = agent_workload(
+        args.trace, args.agents, seed=args.seed, max_len_tokens=args.mal,
+        append_factor=args.append_scale, gen_factor=args.gen_scale,
+    )
+    if args.online_aps is not None:
+        driver = Driver(kind="online", num_agents=args.agents, agents_per_s=args.online_aps,
+                        max_duration_s=args.max_duration)
+    else:
+        driver = Driver(kind="offline", num_agents=args.agents)
+    params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gbps * GB,
+                       inference_load_fraction=args.inference_load)
+    base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
+    results: dict[str, SimResult] = {}
+    for name in modes:
+        cfg = replace(base, mode=mode_preset(name))
+        started = time.perf_counter()
+        bar = None
+        if not args.no_progress and not args.json:
+            from tqdm import tqdm
+
+            total = workload.num_turns if args.online_aps is None else None
+            bar = tqdm(total=total, desc=name, unit="turn", file=sys.stderr, leave=False)
+        progress = None
+        if bar is not None:
+            tick = bar
+
+            def progress(n: int) -> None:
+                tick.update(n)
+
+        result = run_sim(cfg, progress)
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - started
+        results[name] = result
+        if not args.json:
+            print(f"{name}: {result.num_completed} turns in {wall:.1f} s wall "
+                  f"({result.num_completed / max(wall, 1e-9):,.0f} turns/s)", file=sys.stderr)
+        if args.csv:
+            path = Path(args.csv)
+            result.write_csv(path.with_name(f"{path.stem}.{name}{path.suffix or '.csv'}"))
+    if args.plot:
+        _plot(results, args.plot)
+    if args.json:
+        print(json.dumps({k: r.summary() for k, r in results.items()}, indent=2))
+    else:
+        print(_render(results))
+    return 0
