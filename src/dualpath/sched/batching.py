@@ -127,4 +127,4 @@ def pack_prefill_batch(
                                       bsz < item.remaining_tokens))
             t += estimator.pair_time_s(item.cached_tokens, bsz)
         break
-    return PrefillBatch(tuple(entries), t)
+    return PrefillBatch(tuple(entries), t if entries else 0.0)  # no batch, no forward pass
