@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from dualpath.cli.common import add_cluster_args, cluster_from_args
 from dualpath.core.errors import DualPathError
@@ -115,6 +117,13 @@ def _plot(results: dict[str, SimResult], path: str) -> None:
     plt.close(fig)
 
 
+def _progress(bar: Any) -> Callable[[int], None]:
+    def tick(n: int) -> None:
+        bar.update(n)
+
+    return tick
+
+
 def run(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
     modes = _modes(args)
@@ -142,14 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
             total = workload.num_turns if args.online_aps is None else None
             bar = tqdm(total=total, desc=name, unit="turn", file=sys.stderr, leave=False)
-        progress = None
-        if bar is not None:
-            tick = bar
-
-            def progress(n: int) -> None:
-                tick.update(n)
-
-        result = run_sim(cfg, progress)
+        result = run_sim(cfg, _progress(bar) if bar is not None else None)
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - started
