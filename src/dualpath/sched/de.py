@@ -116,8 +116,9 @@ def de_group_fetch(
     Invariants kept: no engine is given more HBM than it reported free (nor the group more
     than its total); a DE with `tok + len > Z` is chosen only when no DE with enough HBM is
     under Z; assignments are a FIFO prefix of `private_queue`; inputs are not changed.
-    Cost: O(|E| + |R|) for R and Z, then per assignment a scan of the engines in `seq` order
-    that stops at the first one under Z with enough HBM (O(|E|) only when none is).
+    Cost: O(|E| log |E| + |R|) for R and Z, then per assignment a scan of the engines still
+    under Z in `seq` order that stops at the first one with room under Z and enough HBM
+    (O(|E|) only when none has).
     """
     check_reports(reports, Role.DECODE)
     n = len(reports)
@@ -129,13 +130,16 @@ def de_group_fetch(
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
     candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params)
     z = params.z_factor * (len_r + sum(tok)) / n
-    by_seq = sorted((seq[i], engine_ids[i], i) for i in range(n))
+    # tok only grows within a fetch and Z is fixed, so an engine above Z never becomes a
+    # class-2 candidate again: keep candidates sorted by (seq, id) and the rest by (tok, id).
+    low = sorted((seq[i], engine_ids[i], i) for i in range(n) if tok[i] <= z)
+    high = sorted((tok[i], engine_ids[i], i) for i in range(n) if tok[i] > z)
     assignments: list[DEAssignment] = []
     for r in candidates:
         need = params.hbm_bytes(r)
         length = params.de_tok_charge.tokens(r)
         chosen, fallback = -1, -1
-        for _, _, i in by_seq:
+        for _, _, i in low:
             if free[i] < need:
                 continue
             if tok[i] + length <= z:
@@ -144,14 +148,25 @@ def de_group_fetch(
             if fallback < 0 or (tok[i], engine_ids[i]) < (tok[fallback], engine_ids[fallback]):
                 fallback = i
         if chosen < 0:
+            for t, e, i in high:
+                if free[i] >= need:
+                    if fallback < 0 or (t, e) < (tok[fallback], engine_ids[fallback]):
+                        fallback = i
+                    break
             chosen = fallback
             if chosen < 0:
                 break  # no DE has enough HBM for the head: the fetch ends
-        del by_seq[bisect.bisect_left(by_seq, (seq[chosen], engine_ids[chosen], chosen))]
+        if tok[chosen] <= z:
+            del low[bisect.bisect_left(low, (seq[chosen], engine_ids[chosen], chosen))]
+        else:
+            del high[bisect.bisect_left(high, (tok[chosen], engine_ids[chosen], chosen))]
         seq[chosen] += 1
         tok[chosen] += length
         free[chosen] -= need
-        bisect.insort(by_seq, (seq[chosen], engine_ids[chosen], chosen))
+        if tok[chosen] <= z:
+            bisect.insort(low, (seq[chosen], engine_ids[chosen], chosen))
+        else:
+            bisect.insort(high, (tok[chosen], engine_ids[chosen], chosen))
         rep = reports[chosen]
         plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)
         assignments.append(DEAssignment(r.request_id, rep.engine_id, rep.node_id, need, plan))
