@@ -1,0 +1,127 @@
+"""Byte-level BPE tokenizers (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use), built from a
+GGUF vocabulary or loaded from a HF `tokenizer.json`, plus the ChatML chat format."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from dualpath.core.errors import DualPathError
+
+GGUF_CONTROL_TOKEN = 3
+"""`tokenizer.ggml.token_type` of control (special) tokens."""
+
+
+class TokenizerError(DualPathError):
+    """A tokenizer file that cannot be loaded; the message names it."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """Text <-> token ids. Special tokens (`<|im_start|>` ...) map to their single ids."""
+
+    def __init__(self, inner: HFTokenizer, eos_token_ids: Sequence[int] = ()) -> None:
+        self.inner = inner
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.inner.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added; chat formatting adds its own markers)."""
+        return list(self.inner.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_id(self, token: str) -> int:
+        """The id of one vocabulary entry (e.g. "<|im_end|>")."""
+        tid = self.inner.token_to_id(token)
+        if tid is None:
+            raise TokenizerError(f"token {token!r} is not in the vocabulary")
+        return int(tid)
+
+    @staticmethod
+    def chat_text(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """ChatML (SmolLM2, Qwen2): `<|im_start|>role\\ncontent<|im_end|>\\n` per message, then
+        `<|im_start|>assistant\\n` to prompt a reply."""
+        text = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.chat_text(messages, add_generation_prompt))
+
+    # -- files -----------------------------------------------------------------------------
+    def save(self, folder: Path | str) -> Path:
+        """Write `tokenizer.json` into `folder` (eos ids go into the model's config.json)."""
+        path = Path(folder) / "tokenizer.json"
+        self.inner.save(str(path))
+        return path
+
+    @classmethod
+    def from_folder(cls, folder: Path | str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Load `tokenizer.json` from a checkpoint folder (or the file itself)."""
+        path = Path(folder)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            inner = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise TokenizerError(f"{path}: cannot load tokenizer ({exc})") from None
+        return cls(inner, eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: Path | str) -> Tokenizer:
+        """Build the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata."""
+        import gguf
+
+        return cls.from_gguf_reader(gguf.GGUFReader(str(path)), str(path))
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any, where: str) -> Tokenizer:
+        """As `from_gguf`, from an open `gguf.GGUFReader` (`where` names it in errors)."""
+
+        def meta(key: str) -> Any:
+            f = reader.fields.get(key)
+            if f is None:
+                raise TokenizerError(f"{where}: missing metadata {key!r}")
+            return f.contents()
+
+        kind = meta("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"{where}: tokenizer.ggml.model={kind!r}, only gpt2 (BPE)")
+        tokens: list[str] = list(meta("tokenizer.ggml.tokens"))
+        types: list[int] = list(meta("tokenizer.ggml.token_type"))
+        merges = [tuple(m.split(" ", 1)) for m in meta("tokenizer.ggml.merges")]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        inner = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        pre = meta("tokenizer.ggml.pre") if "tokenizer.ggml.pre" in reader.fields else "default"
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre == "smollm":
+            # SmolLM's tokenizer.json: every digit its own token, then GPT-2 byte level.
+            inner.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        else:
+            inner.pre_tokenizer = byte_level
+        inner.decoder = decoders.ByteLevel()
+        inner.add_special_tokens([
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_id in zip(tokens, types, strict=True)
+            if kind_id == GGUF_CONTROL_TOKEN
+        ])
+        eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+        return cls(inner, (int(eos.contents()),) if eos is not None else ())
