@@ -129,3 +129,8 @@ def test_round_robin_ignores_load_but_not_beta() -> None:
     assert nxt == 1
     f2, _ = pe_fetch_round_robin([req(i) for i in range(9)], reports, params())
     assert all(e != 1 for e in chosen(f2))
+
+
+def test_negative_report_counter_is_rejected() -> None:
+    with pytest.raises(SpecError, match=r"engine\[3\]\.num_tokens=-1"):
+        EngineReport(3, 0, Role.PREFILL, 0, -1, 0, 0)

@@ -14,7 +14,9 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
   keep sending them to a node whose queue it has already filled (the purpose of category 2).
 - `assignment_order` (PE first or DE first): `DE_FIRST`. Both paths need the DE before prefill
   (PE step 6 / DE step 1 target it), and binding the DE first lets the PE fetch choose the read
-  path and update `read_q` in the same pass.
+  path and update `read_q` in the same pass. The drivers (simulator, runtime) read this field
+  to decide which queue a new request enters first; the policies themselves plan the read in
+  whichever fetch comes second (`pe_fetch(de_node_of=...)` or `de_group_fetch(pe_node_of=...)`).
 - `hbm_need` (what HBM a DE reserves): `PROMPT_PLUS_GEN`, the KV of the prompt and of every
   token the turn will generate, so an admitted request never needs preemption.
 - `r_set_stops_at_first_misfit` (how R is traversed): `True`; R is the FIFO prefix that fits

@@ -44,6 +44,14 @@ class EngineReport:
     free_hbm_bytes: int
     """HBM the engine can still give to new requests (the DE fetch's admission limit)."""
 
+    def __post_init__(self) -> None:
+        # Counters a policy compares against thresholds: a negative one is a caller bug that
+        # would silently pass every `<=` test, so fail loudly, naming the field.
+        for name in ("num_seqs", "num_tokens", "read_q_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise SpecError(f"engine[{self.engine_id}]", name, value, "must be >= 0")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineGroup:
