@@ -1,0 +1,446 @@
+"""An emulated PD-disaggregated cluster on one machine, and the offline agentic batch driver.
+
+`Cluster` starts one node per process (or per thread, for fast tests), wires their message
+queues, runs the scheduler (`scheduler.RuntimeScheduler`) in the calling process and replays
+agents: each agent's next turn is submitted when its previous turn is done, with the context
+grown by the turn's real output and the next append (so the previous turn's persisted blocks
+are the next turn's cache hits). Nodes `[0, P)` are prefill nodes, `[P, P+D)` decode nodes.
+
+Modes (`ARCHITECTURE.md`): `basic` = PE read path only, no layerwise prefill, round-robin
+scheduling; `dualpath` = layerwise, the shorter-read-queue path choice, the paper's scheduler;
+`oracle` = dualpath with storage I/O and P-D transfers not paced (bytes still move, so outputs
+are the same).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dualpath.core.blocks import block_keys
+from dualpath.core.errors import DualPathError, SpecError
+from dualpath.core.validate import positive, positive_int
+from dualpath.runtime.kvlayout import KVLayout
+from dualpath.runtime.messages import (
+    Fetch,
+    Message,
+    NodeFailed,
+    NodeStats,
+    NodeUp,
+    Peers,
+    Shutdown,
+    TurnDone,
+)
+from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, build_model, run_node
+from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
+from dualpath.runtime.store import BlockStore
+from dualpath.runtime.transfer import SegmentInfo
+from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.types import WaitingRequest
+
+MODES = ("basic", "dualpath", "oracle")
+LAUNCHES = ("process", "thread")
+
+
+class RunError(DualPathError):
+    """A node failed or the run could not finish."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run of the emulated cluster. Frozen, validated; units in the names."""
+
+    mode: str
+    store_root: str
+    model: ModelSource = field(default_factory=lambda: ModelSource("tiny"))
+    num_prefill_nodes: int = 1
+    num_decode_nodes: int = 2
+    engines_per_node: int = 2
+    storage_nic_bytes_per_s: float = 200 * 2**20
+    compute_nic_bytes_per_s: float = 800 * 2**20
+    buffer_bytes: int = 256 * 2**20
+    hbm_bytes: int = 1 << 30
+    block_size: int = 64
+    transfer_kind: str = "auto"
+    launch: str = "process"
+    temperature: float = 0.0
+    seed: int = 0
+    path_mode: str | None = None
+    """Override the mode's read-path policy: pe, dual, split, or de (everything on the DE
+    side; for tests of the DE path)."""
+    alpha_tokens: float | None = None
+    """Default: 3 s of one storage NIC's reads (paper A.4)."""
+    beta_tokens: float = 1e9
+    """Default: no engine is ever "overloaded" (the runtime's engines queue work themselves)."""
+    fetch_interval_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        owner = "run"
+        if self.mode not in MODES:
+            raise SpecError(owner, "mode", self.mode, f"must be one of {', '.join(MODES)}")
+        if self.launch not in LAUNCHES:
+            raise SpecError(owner, "launch", self.launch, f"must be one of {', '.join(LAUNCHES)}")
+        if self.path_mode not in (None, "pe", "dual", "split", "de"):
+            raise SpecError(owner, "path_mode", self.path_mode, "must be pe, dual, split or de")
+        for name in (
+            "num_prefill_nodes",
+            "num_decode_nodes",
+            "engines_per_node",
+            "buffer_bytes",
+            "hbm_bytes",
+            "block_size",
+        ):
+            positive_int(owner, name, getattr(self, name))
+        positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
+        positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
+
+    @property
+    def is_layerwise(self) -> bool:
+        return self.mode != "basic"
+
+    @property
+    def is_oracle(self) -> bool:
+        return self.mode == "oracle"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_prefill_nodes + self.num_decode_nodes
+
+
+@dataclass(frozen=True)
+class AgentScript:
+    """One agent to replay: the token ids each turn appends and the tokens it generates."""
+
+    agent_id: int
+    appends: tuple[tuple[int, ...], ...]
+    gen_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.appends) != len(self.gen_tokens) or not self.appends:
+            raise SpecError(
+                f"agent[{self.agent_id}]",
+                "appends",
+                len(self.appends),
+                f"needs one entry per turn ({len(self.gen_tokens)} gen_tokens)",
+            )
+
+
+def agents_from_lengths(
+    turns: Sequence[tuple[Sequence[int], Sequence[int]]], vocab_size: int, seed: int
+) -> list[AgentScript]:
+    """Agents from `(append lengths, gen lengths)` per agent; token ids drawn from a generator
+    seeded by `(seed, agent)`, so every run replays the same prompts."""
+    agents = []
+    for a, (appends, gens) in enumerate(turns):
+        rng = np.random.default_rng([seed, a])
+        ids = tuple(tuple(int(t) for t in rng.integers(0, vocab_size, int(n))) for n in appends)
+        agents.append(AgentScript(a, ids, tuple(int(g) for g in gens)))
+    return agents
+
+
+@dataclass
+class TurnRecord:
+    """What happened to one turn."""
+
+    agent_id: int
+    turn_index: int
+    request_id: int
+    prompt_tokens: int
+    hit_tokens: int
+    output_ids: tuple[int, ...]
+    submitted_at: float
+    first_token_at: float
+    done_at: float
+
+
+@dataclass
+class RunResult:
+    """A finished run: per-turn records, per-node counters, and what is derived from them."""
+
+    config: RunConfig
+    turns: list[TurnRecord]
+    nodes: list[NodeStats]
+    started_at: float
+    finished_at: float
+    num_fetches: int = 0
+    outputs: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    """agent -> output ids per turn."""
+
+    @property
+    def jct_s(self) -> float:
+        """Job completion time: first submission to the last turn's end."""
+        return self.finished_at - self.started_at
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(t.output_ids) for t in self.turns)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(t.prompt_tokens for t in self.turns)
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return sum(t.hit_tokens for t in self.turns)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt plus generated tokens processed per second of JCT."""
+        return (self.num_prompt_tokens + self.num_generated_tokens) / self.jct_s
+
+    def is_prefill_node(self, node: int) -> bool:
+        return node < self.config.num_prefill_nodes
+
+    def bytes_by_path(self) -> dict[str, int]:
+        """Bytes moved per hop over all nodes; `pe_read` / `de_read` are the storage reads of
+        prefill / decode nodes (the two read paths)."""
+        out: dict[str, int] = defaultdict(int)
+        for n in self.nodes:
+            for path, b in n.bytes_by_path.items():
+                if path == "snic_read":
+                    out["pe_read" if self.is_prefill_node(n.node) else "de_read"] += b
+                else:
+                    out[path] += b
+        return dict(out)
+
+    def snic_read_utilization(self) -> dict[int, float]:
+        """Per node: busy time of its storage NIC's read port over the JCT."""
+        return {
+            n.node: sum(v for k, v in n.port_busy_s.items() if k.endswith("snic.read")) / self.jct_s
+            for n in self.nodes
+        }
+
+    def store_counters(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for n in self.nodes:
+            for k, v in n.store_counters.items():
+                out[k] += v
+        return dict(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.config.mode,
+            "jct_s": self.jct_s,
+            "tokens_per_s": self.tokens_per_s,
+            "generated_tokens": self.num_generated_tokens,
+            "prompt_tokens": self.num_prompt_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "num_turns": len(self.turns),
+            "bytes_by_path": self.bytes_by_path(),
+            "snic_read_utilization": {str(k): v for k, v in self.snic_read_utilization().items()},
+            "store": self.store_counters(),
+            "buffer_peak_slots": {str(n.node): n.buffer_peak_slots for n in self.nodes},
+            "num_fetches": self.num_fetches,
+        }
+
+
+def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
+    """The paper's parameters for this run (alpha: 3 s of storage-NIC reads)."""
+    alpha = cfg.alpha_tokens
+    if alpha is None:
+        alpha = cfg.storage_nic_bytes_per_s * 3.0 / layout.kv_bytes_per_token
+        if cfg.is_oracle or alpha == float("inf"):
+            alpha = 1e12
+    mode = cfg.path_mode or ("pe" if cfg.mode == "basic" else "dual")
+    return SchedulerParams(
+        alpha_tokens=alpha,
+        beta_tokens=cfg.beta_tokens,
+        kv_bytes_per_token=layout.kv_bytes_per_token,
+        block_size_tokens=cfg.block_size,
+        path_mode=PathMode.PE if mode in ("pe", "de") else PathMode(mode),
+    )
+
+
+class Cluster:
+    """Nodes started, connected and serving; `run` replays agents; `close` stops them."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        model = build_model(cfg.model)
+        self.model_config = model.config
+        self.vocab_size: int = model.config.vocab_size
+        self.layout: KVLayout = model.kv_layout(cfg.block_size)
+        del model
+        self._prefix = f"dp{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
+        self._procs: list[Any] = []
+        self._is_closed = False
+        if cfg.launch == "process":
+            ctx = mp.get_context("spawn")
+            self._sched_q: Inbox = ctx.Queue()
+            self._inboxes: dict[int, Inbox] = {n: ctx.Queue() for n in range(cfg.num_nodes)}
+        else:
+            self._sched_q = queue.Queue()
+            self._inboxes = {n: queue.Queue() for n in range(cfg.num_nodes)}
+        for n in range(cfg.num_nodes):
+            ncfg = self._node_config(n)
+            args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q)
+            if cfg.launch == "process":
+                proc: Any = mp.get_context("spawn").Process(
+                    target=run_node, args=args, name=f"dualpath-node{n}", daemon=True
+                )
+            else:
+                proc = threading.Thread(target=run_node, args=args, name=f"node{n}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        try:
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _node_config(self, node: int) -> NodeConfig:
+        cfg = self.cfg
+        unpaced = float("inf")
+        return NodeConfig(
+            node=node,
+            is_prefill=node < cfg.num_prefill_nodes,
+            num_engines=cfg.engines_per_node,
+            layout=self.layout,
+            model=cfg.model,
+            store_root=cfg.store_root,
+            buffer_bytes=cfg.buffer_bytes,
+            storage_nic_bytes_per_s=unpaced if cfg.is_oracle else cfg.storage_nic_bytes_per_s,
+            compute_nic_bytes_per_s=unpaced if cfg.is_oracle else cfg.compute_nic_bytes_per_s,
+            hbm_bytes=cfg.hbm_bytes,
+            is_layerwise=cfg.is_layerwise,
+            transfer_kind=cfg.transfer_kind,
+            shm_prefix=self._prefix,
+            fetch_interval_s=cfg.fetch_interval_s,
+        )
+
+    def _get(self, timeout_s: float) -> Message:
+        try:
+            msg: Message = self._sched_q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RunError(f"no message from the nodes within {timeout_s:g} s") from None
+        if isinstance(msg, NodeFailed):
+            raise RunError(f"node {msg.node} failed:\n{msg.error}")
+        return msg
+
+    def _connect(self, timeout_s: float = 300.0) -> None:
+        segments: dict[int, SegmentInfo] = {}
+        while len(segments) < self.cfg.num_nodes:
+            msg = self._get(timeout_s)
+            if isinstance(msg, NodeUp):
+                segments[msg.node] = msg.segment
+        peers = Peers(tuple(segments[n] for n in sorted(segments)))
+        for inbox in self._inboxes.values():
+            inbox.put(peers)
+
+    def run(
+        self,
+        agents: Sequence[AgentScript],
+        on_turn: Callable[[TurnRecord], None] | None = None,
+        timeout_s: float = 600.0,
+    ) -> RunResult:
+        """Replay `agents` (all start at once, offline batch) until every turn is done."""
+        cfg = self.cfg
+        store = BlockStore(cfg.store_root, self.layout.full_block_bytes, is_durable=False)
+        sched = RuntimeScheduler(
+            SchedulerConfig(
+                params=scheduler_params(cfg, self.layout),
+                num_prefill_nodes=cfg.num_prefill_nodes,
+                num_decode_nodes=cfg.num_decode_nodes,
+                engines_per_node=cfg.engines_per_node,
+                is_round_robin=cfg.mode == "basic",
+                forced_read_side="de" if cfg.path_mode == "de" else None,
+            )
+        )
+        contexts = {a.agent_id: [] for a in agents}  # type: dict[int, list[int]]
+        next_turn = {a.agent_id: 0 for a in agents}
+        by_agent = {a.agent_id: a for a in agents}
+        in_flight: dict[int, TurnRecord] = {}
+        records: list[TurnRecord] = []
+        outputs: dict[int, list[tuple[int, ...]]] = {a.agent_id: [] for a in agents}
+        request_ids = iter(range(1 << 62))
+        bs = cfg.block_size
+
+        def submit(agent: AgentScript) -> None:
+            k = next_turn[agent.agent_id]
+            prompt = contexts[agent.agent_id] + list(agent.appends[k])
+            keys = block_keys(prompt, bs)
+            # At least one token must be computed (its logits are the prefill's output).
+            num_hit = min(store.longest_prefix(keys), (len(prompt) - 1) // bs)
+            rid = next(request_ids)
+            sched.submit(
+                Submitted(
+                    request=WaitingRequest(rid, len(prompt), num_hit * bs, agent.gen_tokens[k]),
+                    token_ids=tuple(prompt),
+                    block_keys=tuple(keys),
+                    temperature=cfg.temperature,
+                    sample_seed=cfg.seed * 1_000_003 + rid,
+                )
+            )
+            in_flight[rid] = TurnRecord(
+                agent.agent_id, k, rid, len(prompt), num_hit * bs, (), time.time(), 0.0, 0.0
+            )
+
+        started_at = time.time()
+        for a in agents:
+            submit(a)
+        while in_flight:
+            msg = self._get(timeout_s)
+            if isinstance(msg, Fetch):
+                self._inboxes[msg.node].put(sched.on_fetch(msg))
+            elif isinstance(msg, TurnDone):
+                rec = in_flight.pop(msg.request_id)
+                sched.finished(msg.request_id)
+                rec.output_ids = msg.output_ids
+                rec.first_token_at = msg.first_token_at
+                rec.done_at = msg.done_at
+                records.append(rec)
+                outputs[rec.agent_id].append(msg.output_ids)
+                if on_turn is not None:
+                    on_turn(rec)
+                agent = by_agent[rec.agent_id]
+                contexts[agent.agent_id] += list(agent.appends[rec.turn_index])
+                contexts[agent.agent_id] += list(msg.output_ids)
+                next_turn[agent.agent_id] += 1
+                if next_turn[agent.agent_id] < len(agent.appends):
+                    submit(agent)
+            else:
+                raise RunError(f"scheduler: unexpected message {msg!r}")
+        finished_at = max((r.done_at for r in records), default=started_at)
+        nodes = self.close()
+        return RunResult(cfg, records, nodes, started_at, finished_at, sched.num_fetches, outputs)
+
+    def close(self, timeout_s: float = 30.0) -> list[NodeStats]:
+        """Stop every node; returns their counters (those that answered)."""
+        if self._is_closed:
+            return []
+        self._is_closed = True
+        for inbox in self._inboxes.values():
+            inbox.put(Shutdown())
+        stats: dict[int, NodeStats] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(stats) < len(self._procs) and time.monotonic() < deadline:
+            try:
+                msg = self._sched_q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if isinstance(msg, NodeStats):
+                stats[msg.node] = msg
+            elif isinstance(msg, NodeFailed):
+                break
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if isinstance(p, mp.process.BaseProcess) and p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        return [stats[n] for n in sorted(stats)]
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,177 @@
+"""Typed messages between the scheduler and the nodes, and between nodes.
+
+Everything that crosses a process boundary is one of these frozen dataclasses, pickled over a
+queue; nothing else is shared. Engines address each other by node id (the inbox to post to) and
+engine id; KV bytes never travel in messages, only slot numbers of the buffers the bytes land in
+(the bytes go through a transfer engine, `transfer.py`).
+
+Request flow (PE engine p on prefill node A, DE engine d on decode node B):
+
+    scheduler -> A  Fetched(prefill=[PrefillTask])     reply to A's group leader's Fetch
+    scheduler -> B  Fetched(decode=[DecodeTask])       reply to B's Fetch
+    B -> A          DeBufferReady                      DE buffer slots allocated, DE reads done
+    A -> B          PrefillDone                        all prompt KV in B's buffer + first token
+    B -> scheduler  TurnDone                           generated tokens, timings, byte counts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dualpath.runtime.transfer import SegmentInfo
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's fetch report (paper §6.1: `seq_e`, `tok_e`, `read_q`, free memory)."""
+
+    engine_id: int
+    num_seqs: int
+    num_tokens: int
+    read_q_tokens: int
+    free_hbm_bytes: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A group leader pulls work for its engines."""
+
+    node: int
+    loads: tuple[EngineLoad, ...]
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """Prefill `token_ids` on `pe_engine`; blocks `[0, num_pe_blocks)` of the hit are read on
+    this (PE) node, blocks `[num_pe_blocks, num_hit_blocks)` are in the DE buffer."""
+
+    request_id: int
+    pe_engine: int
+    de_node: int
+    de_engine: int
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    num_hit_blocks: int
+    num_pe_blocks: int
+    max_tokens: int
+    temperature: float
+    sample_seed: int
+
+
+@dataclass(frozen=True)
+class DecodeTask:
+    """Decode the request on `de_engine` after prefill on `pe_node`; the DE node reads hit
+    blocks `[num_pe_blocks, num_hit_blocks)` into its buffer first."""
+
+    request_id: int
+    de_engine: int
+    pe_node: int
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    num_hit_blocks: int
+    num_pe_blocks: int
+    max_tokens: int
+    temperature: float
+    sample_seed: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Scheduler's reply to a Fetch."""
+
+    prefill: tuple[PrefillTask, ...] = ()
+    decode: tuple[DecodeTask, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeBufferReady:
+    """The DE buffer holds one slot per prompt block (slot i <-> block i) and the DE-side hit
+    blocks are loaded."""
+
+    request_id: int
+    slots: tuple[int, ...]
+    slot_offsets: tuple[int, ...]
+    """Byte offsets of the slots in the DE node's registered segment."""
+    num_valid_de_blocks: int
+    """Leading DE-side hit blocks read and verified; a miss or corrupt block ends the hit."""
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """Every prompt block's KV is in the DE buffer; `first_token` comes from the PE's logits."""
+
+    request_id: int
+    first_token: int
+    num_hit_blocks: int
+    """Blocks whose KV came from storage; the DE persists the prompt's full blocks after it."""
+    prefill_started_at: float
+    prefill_done_at: float
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    """A request finished decoding."""
+
+    request_id: int
+    output_ids: tuple[int, ...]
+    first_token_at: float
+    done_at: float
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """A node's counters at shutdown (bytes per path, port busy time, buffer use)."""
+
+    node: int
+    port_bytes: dict[str, int] = field(default_factory=dict)
+    port_busy_s: dict[str, float] = field(default_factory=dict)
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
+    store_counters: dict[str, int] = field(default_factory=dict)
+    buffer_peak_slots: int = 0
+    buffer_waits: int = 0
+    num_batches: int = 0
+    num_copies: int = 0
+
+
+@dataclass(frozen=True)
+class NodeUp:
+    """A node is running; peers connect to its segment with `segment`."""
+
+    node: int
+    segment: SegmentInfo
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Scheduler -> nodes: every node's segment, sent once all nodes are up."""
+
+    segments: tuple[SegmentInfo, ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop after finishing nothing further; reply with NodeStats."""
+
+
+@dataclass(frozen=True)
+class NodeFailed:
+    """A node thread raised; the run is aborted with this message."""
+
+    node: int
+    error: str
+
+
+Message = (
+    Fetch
+    | Fetched
+    | PrefillTask
+    | DecodeTask
+    | DeBufferReady
+    | PrefillDone
+    | TurnDone
+    | NodeStats
+    | NodeUp
+    | Peers
+    | Shutdown
+    | NodeFailed
+)

@@ -1,0 +1,376 @@
+"""One node of the emulated cluster: its buffer pool, NICs, storage I/O threads and engines.
+
+A node runs in its own process (or, for fast tests, a thread of the driver process) and talks
+to the scheduler and to other nodes only through message queues (`messages.py`). Inside the
+node, engines are threads sharing the node's buffer pool and NICs, as the GPUs of one server
+share its DRAM and storage NIC.
+
+Threads of a node:
+- the main loop: receives messages, lets the group leader fetch work (pull, paper §6.1),
+  hands tasks to the reader and the engines;
+- the storage reader: allocates buffer slots for each assigned request (backpressure when the
+  pool is full) and reads its hit Full Blocks through the storage NIC, FIFO; what is still
+  queued is the node's `read_q` in tokens;
+- the storage writer (decode nodes): persists completed Full Blocks through the storage NIC,
+  then frees their slots;
+- one thread per engine (`engine_pe.PrefillEngine` / `engine_de.DecodeEngine`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dualpath.core.errors import SpecError
+from dualpath.core.validate import positive, positive_int
+from dualpath.runtime.buffers import BufferPool
+from dualpath.runtime.kvlayout import KVLayout
+from dualpath.runtime.messages import (
+    DecodeTask,
+    EngineLoad,
+    Fetch,
+    Fetched,
+    Message,
+    NodeFailed,
+    NodeStats,
+    NodeUp,
+    Peers,
+    PrefillTask,
+    Shutdown,
+)
+from dualpath.runtime.store import BlockStore
+from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager
+from dualpath.runtime.transfer import TransferEngine, make_transfer_engine
+
+
+class Inbox(Protocol):
+    """A queue of messages (`queue.Queue` for threads, `multiprocessing.Queue` for processes)."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a node builds its model: `tiny` (random weights from `seed`), `smollm2`, or `path`
+    (a local Llama/Qwen2 checkpoint folder)."""
+
+    kind: str
+    seed: int = 0
+    path: str = ""
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tiny", "smollm2", "path"):
+            raise SpecError("model_source", "kind", self.kind, "must be tiny, smollm2 or path")
+        if self.kind == "path" and not self.path:
+            raise SpecError("model_source", "path", self.path, "needed for kind=path")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node process needs; pickled to it at start. Frozen, validated."""
+
+    node: int
+    is_prefill: bool
+    num_engines: int
+    layout: KVLayout
+    model: ModelSource
+    store_root: str
+    buffer_bytes: int
+    storage_nic_bytes_per_s: float
+    """`inf` for the Oracle (storage reads and writes not paced)."""
+    compute_nic_bytes_per_s: float
+    """`inf` for the Oracle (P-D transfers and copies not paced)."""
+    hbm_bytes: int
+    is_layerwise: bool
+    transfer_kind: str = "auto"
+    shm_prefix: str = "dp"
+    fetch_interval_s: float = 0.005
+    chunk_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        owner = f"node[{self.node}]"
+        positive_int(owner, "num_engines", self.num_engines)
+        positive_int(owner, "buffer_bytes", self.buffer_bytes)
+        positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
+        positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
+        positive_int(owner, "hbm_bytes", self.hbm_bytes)
+        positive(owner, "fetch_interval_s", self.fetch_interval_s)
+        if self.buffer_bytes < self.layout.full_block_bytes:
+            raise SpecError(
+                owner,
+                "buffer_bytes",
+                self.buffer_bytes,
+                f"smaller than one Full Block ({self.layout.full_block_bytes} bytes)",
+            )
+
+    @property
+    def first_engine_id(self) -> int:
+        """Engines follow `core.cluster`: node n holds engines `n*g .. n*g+g-1`."""
+        return self.node * self.num_engines
+
+    @property
+    def shm_name(self) -> str:
+        return f"{self.shm_prefix}n{self.node}"
+
+
+def build_model(source: ModelSource) -> Any:
+    """The layer-by-layer model of `source` (runtime.model / runtime.weights)."""
+    from dualpath.runtime import weights
+
+    if source.kind == "tiny":
+        return weights.tiny_random_model(source.seed)
+    if source.kind == "smollm2":
+        return weights.load_smollm2()
+    return weights.load_checkpoint(Path(source.path))
+
+
+@dataclass
+class ReadJob:
+    """Allocate `num_slots` buffer slots, then read `blocks` (index, key) into slots[index].
+
+    Invariant (block state): a block read here is "being read into a node buffer" until
+    `done` is set, then "in a PE or DE buffer" until its slot is freed by the engine that
+    copied it onward (or by the writer once it is persisted).
+    """
+
+    request_id: int
+    num_slots: int
+    blocks: list[tuple[int, bytes]]
+    block_size: int
+    on_done: Callable[[ReadJob], None]
+    slots: list[int] = field(default_factory=list)
+    num_valid_blocks: int = 0
+    """Leading blocks of `blocks` read and verified (the rest are recomputed)."""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class NodeContext:
+    """What engines of a node share: pool, NICs, traffic manager, transfer engine, counters."""
+
+    def __init__(self, cfg: NodeConfig, send: Callable[[int | None, Message], None]) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        slot_bytes = cfg.layout.full_block_bytes
+        self.pool = BufferPool(cfg.shm_name, slot_bytes, cfg.buffer_bytes // slot_bytes)
+        self.nics = NodeNics.create(
+            cfg.node,
+            cfg.num_engines,
+            cfg.storage_nic_bytes_per_s,
+            cfg.compute_nic_bytes_per_s,
+            cfg.chunk_bytes,
+        )
+        self.tm = TrafficManager()
+        self.transfer: TransferEngine = make_transfer_engine(
+            cfg.transfer_kind, cfg.node, cfg.shm_name, self.pool.view, name_prefix=cfg.shm_prefix
+        )
+        self.send = send
+        """`send(node, msg)`; node None = the scheduler."""
+        self._lock = threading.Lock()
+        self.bytes_by_path: dict[str, int] = defaultdict(int)
+        self.read_q_tokens = 0
+        self.read_queue: queue.Queue[ReadJob | None] = queue.Queue()
+        self.write_queue: queue.Queue[tuple[bytes, int] | Callable[[], None] | None] = queue.Queue()
+        """(key, slot) to persist, or a callback to run once every earlier write is done."""
+        self.store_counters: dict[str, int] = defaultdict(int)
+        self.failure: list[str] = []
+
+    def count(self, path: str, num_bytes: int) -> None:
+        with self._lock:
+            self.bytes_by_path[path] += num_bytes
+
+    def charge(self, route: list[Port], num_bytes: int, path: str) -> None:
+        """Pace `num_bytes` on `route` (KV traffic, low priority) and count them under `path`."""
+        self.tm.charge(route, num_bytes, TrafficClass.LOW)
+        self.count(path, num_bytes)
+
+    def add_read_q(self, tokens: int) -> None:
+        with self._lock:
+            self.read_q_tokens += tokens
+
+    def engine_index(self, engine_id: int) -> int:
+        i = engine_id - self.cfg.first_engine_id
+        if not 0 <= i < self.cfg.num_engines:
+            raise SpecError(f"node[{self.cfg.node}]", "engine", engine_id, "not on this node")
+        return i
+
+    def stats(self) -> NodeStats:
+        ports = self.nics.all_ports()
+        return NodeStats(
+            node=self.cfg.node,
+            port_bytes={p.name: p.stats.total_bytes for p in ports},
+            port_busy_s={p.name: p.stats.busy_s for p in ports},
+            bytes_by_path=dict(self.bytes_by_path),
+            store_counters=dict(self.store_counters),
+            buffer_peak_slots=self.pool.peak_used,
+            buffer_waits=self.pool.num_waits,
+            num_batches=self.tm.num_batches,
+            num_copies=self.tm.num_copies,
+        )
+
+
+def _reader_loop(ctx: NodeContext) -> None:
+    """FIFO storage reads into buffer slots, paced on the storage NIC's read port."""
+    store = BlockStore(ctx.cfg.store_root, ctx.layout.full_block_bytes, is_durable=False)
+    while True:
+        job = ctx.read_queue.get()
+        if job is None:
+            break
+        job.slots = ctx.pool.alloc(job.num_slots)
+        valid = 0
+        is_broken = False
+        for index, key in job.blocks:
+            if not is_broken:
+                ok = store.get_into(key, ctx.pool.slot(job.slots[index]))
+                ctx.charge([ctx.nics.storage_read], ctx.layout.full_block_bytes, "snic_read")
+                if ok:
+                    valid += 1
+                else:
+                    is_broken = True  # a missing/corrupt block ends the usable prefix
+            ctx.add_read_q(-job.block_size)
+        job.num_valid_blocks = valid
+        for name in ("num_hits", "num_misses", "num_corrupt"):
+            ctx.store_counters[name] = getattr(store.counters, name)
+        job.done.set()
+        job.on_done(job)
+
+
+def _writer_loop(ctx: NodeContext) -> None:
+    """Persist completed Full Blocks (atomic put), paced on the storage NIC's write port; the
+    slot is freed only after the block is stored (its successor holds it)."""
+    store = BlockStore(ctx.cfg.store_root, ctx.layout.full_block_bytes, is_durable=False)
+    while True:
+        item = ctx.write_queue.get()
+        if item is None:
+            break
+        if callable(item):
+            item()
+            continue
+        key, slot = item
+        store.put(key, ctx.pool.slot(slot), overwrite=False)
+        ctx.charge([ctx.nics.storage_write], ctx.layout.full_block_bytes, "snic_write")
+        ctx.pool.free([slot])
+        ctx.store_counters["num_puts"] = store.counters.num_puts
+
+
+class Engine(Protocol):
+    """What the node loop needs from a PE or DE engine thread."""
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def on_message(self, msg: Message) -> None: ...
+
+
+def run_node(cfg: NodeConfig, inbox: Inbox, outboxes: dict[int, Inbox], scheduler: Inbox) -> None:
+    """Run node `cfg.node` until Shutdown; any failure is reported as NodeFailed."""
+    ctx: NodeContext | None = None
+    try:
+
+        def send(node: int | None, msg: Message) -> None:
+            (scheduler if node is None else outboxes[node]).put(msg)
+
+        ctx = NodeContext(cfg, send)
+        _serve(ctx, inbox)
+    except BaseException:
+        scheduler.put(NodeFailed(cfg.node, traceback.format_exc(limit=8)))
+    finally:
+        if ctx is not None:
+            ctx.transfer.close()
+            ctx.pool.close()
+
+
+def _serve(ctx: NodeContext, inbox: Inbox) -> None:
+    from dualpath.runtime.engine_de import DecodeEngine
+    from dualpath.runtime.engine_pe import PrefillEngine
+
+    cfg = ctx.cfg
+    model = build_model(cfg.model)
+    ctx.send(None, NodeUp(cfg.node, ctx.transfer.local_info()))
+    while True:
+        msg = inbox.get()
+        if isinstance(msg, Peers):
+            for seg in msg.segments:
+                ctx.transfer.connect(seg)
+            break
+        if isinstance(msg, Shutdown):
+            ctx.send(None, ctx.stats())
+            return
+    engines: list[Engine] = []
+    for i in range(cfg.num_engines):
+        engine_id = cfg.first_engine_id + i
+        if cfg.is_prefill:
+            engines.append(PrefillEngine(ctx, engine_id, model))
+        else:
+            engines.append(DecodeEngine(ctx, engine_id, model))
+    threads = [threading.Thread(target=_guard(ctx, e.run), daemon=True) for e in engines]
+    threads.append(threading.Thread(target=_guard(ctx, lambda: _reader_loop(ctx)), daemon=True))
+    threads.append(threading.Thread(target=_guard(ctx, lambda: _writer_loop(ctx)), daemon=True))
+    for t in threads:
+        t.start()
+    by_request: dict[int, Engine] = {}
+    is_fetch_out = False
+    next_fetch_at = 0.0
+    pending: deque[Message] = deque()
+    early: dict[int, list[Message]] = defaultdict(list)
+    while True:
+        if ctx.failure:
+            raise RuntimeError(ctx.failure[0])
+        now = time.monotonic()
+        if not is_fetch_out and now >= next_fetch_at:
+            ctx.send(None, Fetch(cfg.node, tuple(e.load() for e in engines)))
+            is_fetch_out = True
+        try:
+            msg = pending.popleft() if pending else inbox.get(timeout=cfg.fetch_interval_s)
+        except queue.Empty:
+            continue
+        if isinstance(msg, Shutdown):
+            break
+        if isinstance(msg, Fetched):
+            is_fetch_out = False
+            next_fetch_at = time.monotonic() + cfg.fetch_interval_s
+            for task in (*msg.prefill, *msg.decode):
+                assert isinstance(task, PrefillTask | DecodeTask)
+                engine_id = task.pe_engine if isinstance(task, PrefillTask) else task.de_engine
+                engine = engines[ctx.engine_index(engine_id)]
+                by_request[task.request_id] = engine
+                engine.on_message(task)
+                # A peer may have answered before our own fetch brought the task.
+                pending.extend(early.pop(task.request_id, []))
+            continue
+        request_id = getattr(msg, "request_id", None)
+        if request_id is None:
+            raise RuntimeError(f"node {cfg.node}: unexpected message {msg!r}")
+        if request_id not in by_request:
+            early[request_id].append(msg)
+            continue
+        by_request[request_id].on_message(msg)
+    for e in engines:
+        e.stop()
+    ctx.read_queue.put(None)
+    ctx.write_queue.put(None)
+    for t in threads:
+        t.join(timeout=10.0)
+    ctx.send(None, ctx.stats())
+
+
+def _guard(ctx: NodeContext, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except BaseException:
+            ctx.failure.append(traceback.format_exc(limit=8))
+
+    return run

@@ -1,0 +1,278 @@
+"""The scheduler process's state: waiting queues and bindings around the pure `dualpath.sched`
+policies, driven by the group leaders' fetches (pull, paper §6.1).
+
+Order (the sched default, DE first): a submitted turn enters the global DE queue; a decode
+group's fetch drains it to the groups' private queues (phase 1) and binds DEs from its own
+private queue (phase 2, HBM admission and the `Z` threshold); bound requests join the FIFO PE
+queue; a prefill group's fetch runs Algorithm 1, which also chooses each request's read path
+(`ReadPlan`) now that both sides are known. The PE gets its `PrefillTask` in that fetch's reply,
+the DE its `DecodeTask` in the reply to its own next fetch.
+
+Between a DE binding and the DE node learning of it, the node's own report does not include the
+request yet, so the scheduler adds what it has bound but not delivered (HBM, `seq`, `tok`) to
+that engine's report: a DE is never promised more HBM than it has.
+
+No I/O here: `on_fetch` returns the reply, so this is tested without processes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from dualpath.core.errors import SpecError
+from dualpath.core.validate import positive_int
+from dualpath.runtime.messages import DecodeTask, EngineLoad, Fetch, Fetched, PrefillTask
+from dualpath.sched import (
+    de_global_drain,
+    de_global_drain_round_robin,
+    de_group_fetch,
+    de_group_fetch_round_robin,
+    pe_fetch,
+    pe_fetch_round_robin,
+)
+from dualpath.sched.params import SchedulerParams
+from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Cluster shape and policy. Nodes `[0, P)` prefill, `[P, P+D)` decode; node n holds
+    engines `n*g .. n*g+g-1`; each node is one engine group (its first engine leads)."""
+
+    params: SchedulerParams
+    num_prefill_nodes: int
+    num_decode_nodes: int
+    engines_per_node: int
+    is_round_robin: bool = False
+    """Basic's "w/o scheduling": round robin over engines and DE groups."""
+    forced_read_side: str | None = None
+    """"de": read every hit on the DE side whatever the policy says (tests of the DE path)."""
+
+    def __post_init__(self) -> None:
+        positive_int("scheduler", "num_prefill_nodes", self.num_prefill_nodes)
+        positive_int("scheduler", "num_decode_nodes", self.num_decode_nodes)
+        positive_int("scheduler", "engines_per_node", self.engines_per_node)
+
+    def is_prefill_node(self, node: int) -> bool:
+        return node < self.num_prefill_nodes
+
+    @property
+    def decode_nodes(self) -> range:
+        return range(self.num_prefill_nodes, self.num_prefill_nodes + self.num_decode_nodes)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A turn the driver submitted: what the engines need besides the policy's view."""
+
+    request: WaitingRequest
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    temperature: float
+    sample_seed: int
+
+
+@dataclass
+class _Binding:
+    de_engine: int
+    de_node: int
+    hbm_bytes: int
+
+
+class RuntimeScheduler:
+    """Queues, bindings and round-robin cursors; `submit` turns, answer `Fetch`es."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self._submitted: dict[int, Submitted] = {}
+        self._global_q: list[WaitingRequest] = []
+        self._private_q: dict[int, list[WaitingRequest]] = {n: [] for n in cfg.decode_nodes}
+        self._pe_q: list[WaitingRequest] = []
+        self._bound: dict[int, _Binding] = {}
+        self._undelivered: dict[int, list[int]] = defaultdict(list)
+        """DE engine -> requests bound to it that its node has not received yet."""
+        self._outbox: dict[int, list[DecodeTask]] = defaultdict(list)
+        self._loads: dict[int, tuple[EngineLoad, ...]] = {}
+        self._pe_cursor = 0
+        self._de_group_cursor = 0
+        self._de_cursor: dict[int, int] = defaultdict(int)
+        self.num_fetches = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet handed to both their engines."""
+        return (
+            len(self._global_q)
+            + sum(len(q) for q in self._private_q.values())
+            + len(self._pe_q)
+            + sum(len(v) for v in self._outbox.values())
+        )
+
+    def submit(self, turn: Submitted) -> None:
+        r = turn.request
+        if r.request_id in self._submitted:
+            raise SpecError("scheduler", "request_id", r.request_id, "submitted twice")
+        bs = self.cfg.params.block_size_tokens
+        if r.hit_tokens % bs or len(turn.block_keys) * bs > r.prompt_tokens:
+            raise SpecError("scheduler", "hit_tokens", r.hit_tokens, "not block aligned")
+        self._submitted[r.request_id] = turn
+        self._global_q.append(r)
+
+    def finished(self, request_id: int) -> None:
+        """Forget a completed request."""
+        self._submitted.pop(request_id, None)
+        self._bound.pop(request_id, None)
+
+    # -- fetches ---------------------------------------------------------------------------
+    def on_fetch(self, fetch: Fetch) -> Fetched:
+        """Run the policy for the fetching group (one node) and build its reply."""
+        self.num_fetches += 1
+        self._loads[fetch.node] = fetch.loads
+        if self.cfg.is_prefill_node(fetch.node):
+            return Fetched(prefill=self._pe_fetch(fetch))
+        self._de_fetch(fetch)
+        tasks = tuple(self._outbox.pop(fetch.node, []))
+        for t in tasks:
+            self._undelivered[t.de_engine].remove(t.request_id)
+        return Fetched(decode=tasks)
+
+    def _read_q_by_node(self) -> dict[int, int]:
+        return {n: loads[0].read_q_tokens for n, loads in self._loads.items() if loads}
+
+    def _reports(self, node: int, role: Role) -> list[EngineReport]:
+        reports = []
+        for load in self._loads[node]:
+            pending = [self._bound[r] for r in self._undelivered.get(load.engine_id, [])]
+            extra_tok = sum(
+                self._submitted[r].request.prompt_tokens
+                for r in self._undelivered.get(load.engine_id, [])
+            )
+            reports.append(
+                EngineReport(
+                    engine_id=load.engine_id,
+                    node_id=node,
+                    role=role,
+                    num_seqs=load.num_seqs + len(pending),
+                    num_tokens=load.num_tokens + extra_tok,
+                    read_q_tokens=load.read_q_tokens,
+                    free_hbm_bytes=max(0, load.free_hbm_bytes - sum(b.hbm_bytes for b in pending)),
+                )
+            )
+        return reports
+
+    def _de_fetch(self, fetch: Fetch) -> None:
+        params, node = self.cfg.params, fetch.node
+        groups = list(self.cfg.decode_nodes)
+        if self._global_q:
+            if self.cfg.is_round_robin:
+                moved, self._de_group_cursor = de_global_drain_round_robin(
+                    self._global_q, groups, self._de_group_cursor
+                )
+            else:
+                load = {
+                    g: sum(r.num_tokens for r in self._reports(g, Role.DECODE))
+                    + sum(r.prompt_tokens for r in self._private_q[g])
+                    if g in self._loads
+                    else sum(r.prompt_tokens for r in self._private_q[g])
+                    for g in groups
+                }
+                moved = de_global_drain(self._global_q, load, params)
+            by_id = {r.request_id: r for r in self._global_q}
+            for g in moved:
+                self._private_q[g.group_id].append(by_id[g.request_id])
+            self._global_q.clear()
+        private = self._private_q[node]
+        if not private:
+            return
+        reports = self._reports(node, Role.DECODE)
+        if self.cfg.is_round_robin:
+            result, self._de_cursor[node] = de_group_fetch_round_robin(
+                private, reports, params, self._de_cursor[node]
+            )
+        else:
+            result = de_group_fetch(private, reports, params)
+        for d in result.assignments:
+            self._bound[d.request_id] = _Binding(d.engine_id, d.node_id, d.hbm_bytes)
+            self._undelivered[d.engine_id].append(d.request_id)
+        self._pe_q.extend(private[: result.num_assigned])
+        del private[: result.num_assigned]
+
+    def _pe_fetch(self, fetch: Fetch) -> tuple[PrefillTask, ...]:
+        if not self._pe_q:
+            return ()
+        params = self.cfg.params
+        reports = self._reports(fetch.node, Role.PREFILL)
+        de_node_of = {r.request_id: self._bound[r.request_id].de_node for r in self._pe_q}
+        read_q = self._read_q_by_node()
+        if self.cfg.is_round_robin:
+            result, self._pe_cursor = pe_fetch_round_robin(
+                self._pe_q,
+                reports,
+                params,
+                self._pe_cursor,
+                de_node_of=de_node_of,
+                read_q_tokens_by_node=read_q,
+            )
+        else:
+            result = pe_fetch(
+                self._pe_q, reports, params, de_node_of=de_node_of, read_q_tokens_by_node=read_q
+            )
+        tasks = []
+        for a in result.assignments:
+            turn = self._submitted[a.request_id]
+            bound = self._bound[a.request_id]
+            plan = a.read
+            if plan is None:
+                raise RuntimeError(f"request {a.request_id}: no read plan with a bound DE")
+            if self.cfg.forced_read_side == "de":
+                plan = ReadPlan(
+                    plan.pe_node_id, plan.de_node_id, plan.num_hit_blocks, 0, plan.block_size_tokens
+                )
+            tasks.append(self._prefill_task(turn, a.engine_id, bound, plan))
+            self._outbox[bound.de_node].append(self._decode_task(turn, fetch.node, bound, plan))
+        del self._pe_q[: result.num_assigned]
+        return tuple(tasks)
+
+    def _prefill_task(
+        self, turn: Submitted, pe_engine: int, bound: _Binding, plan: ReadPlan
+    ) -> PrefillTask:
+        return PrefillTask(
+            request_id=turn.request.request_id,
+            pe_engine=pe_engine,
+            de_node=bound.de_node,
+            de_engine=bound.de_engine,
+            token_ids=turn.token_ids,
+            block_keys=turn.block_keys,
+            num_hit_blocks=plan.num_hit_blocks,
+            num_pe_blocks=plan.num_pe_blocks,
+            max_tokens=turn.request.gen_tokens,
+            temperature=turn.temperature,
+            sample_seed=turn.sample_seed,
+        )
+
+    def _decode_task(
+        self, turn: Submitted, pe_node: int, bound: _Binding, plan: ReadPlan
+    ) -> DecodeTask:
+        return DecodeTask(
+            request_id=turn.request.request_id,
+            de_engine=bound.de_engine,
+            pe_node=pe_node,
+            token_ids=turn.token_ids,
+            block_keys=turn.block_keys,
+            num_hit_blocks=plan.num_hit_blocks,
+            num_pe_blocks=plan.num_pe_blocks,
+            max_tokens=turn.request.gen_tokens,
+            temperature=turn.temperature,
+            sample_seed=turn.sample_seed,
+        )
+
+
+def with_path_mode(params: SchedulerParams, mode: str) -> SchedulerParams:
+    """`params` with `path_mode` set by name (pe, dual, split)."""
+    from dualpath.sched.params import PathMode
+
+    try:
+        return replace(params, path_mode=PathMode(mode))
+    except ValueError:
+        raise SpecError("scheduler", "path_mode", mode, "must be pe, dual or split") from None
