@@ -9,7 +9,7 @@ all nodes open the same root):
 
     .blk file = header (64 B) + payload (full_block_bytes B)
     header    = magic "DPKVBLK1" | version u16 | key length u16 | payload bytes u64 |
-                payload crc32 u32 | header crc32 u32 | key (32 B, zero padded) | pad
+                payload crc32c u32 | header crc32c u32 | key (32 B, zero padded) | pad
 
 Why one file per Full Block: storage I/O always moves whole Full Blocks (paper §4.1), so a
 block is read with one `open` + one `preadv` of a contiguous extent (header and payload land in
@@ -25,7 +25,8 @@ visible to every reader the moment its rename lands, and the filesystem is the i
 Atomicity: `put` writes a temp file in the block's directory, fsyncs it (when `is_durable`),
 then `os.replace`s it onto the final name. A writer killed at any point leaves at most a
 `.tmp-*` file, which readers never open; the final name only ever refers to a complete file.
-Integrity: every read checks the magic, the key, the size and the CRC32 of the payload; a block
+Integrity: every read checks the magic, the key, the size and the CRC32C of the payload (the
+SSE4.2 instruction, ~15 GB/s, so verification costs a few percent of a read); a block
 that fails is counted as corrupt, removed, and reported as a miss, so the caller recomputes it
 and a later `put` rewrites it. Nothing is lost: a miss only costs recompute.
 """
@@ -38,11 +39,12 @@ import json
 import os
 import struct
 import time
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import crc32c
 
 from dualpath.core.blocks import longest_prefix as _longest_prefix
 from dualpath.core.errors import DualPathError
@@ -53,9 +55,9 @@ MAGIC = b"DPKVBLK1"
 VERSION = 1
 MAX_KEY_BYTES = 32
 HEADER_BYTES = 64
-_FIXED = struct.Struct("<8sHHQI")  # magic, version, key length, payload bytes, payload crc32
+_FIXED = struct.Struct("<8sHHQI")  # magic, version, key length, payload bytes, payload crc32c
 _HEADER_CRC = struct.Struct("<I")
-# Header: fixed fields (24 B) | header crc32 (4 B) | key (32 B) | zero pad (4 B) = 64 B.
+# Header: fixed fields (24 B) | header crc32c (4 B) | key (32 B) | zero pad (4 B) = 64 B.
 _KEY_OFFSET = _FIXED.size + _HEADER_CRC.size
 assert _KEY_OFFSET + MAX_KEY_BYTES <= HEADER_BYTES
 
@@ -87,7 +89,7 @@ class StoreCounters:
 def _encode_header(key: bytes, payload_bytes: int, payload_crc: int) -> bytes:
     fixed = _FIXED.pack(MAGIC, VERSION, len(key), payload_bytes, payload_crc)
     key_field = key.ljust(MAX_KEY_BYTES, b"\0")
-    header_crc = zlib.crc32(key_field, zlib.crc32(fixed))
+    header_crc = crc32c.crc32c(key_field, crc32c.crc32c(fixed))
     head = fixed + _HEADER_CRC.pack(header_crc) + key_field
     return head.ljust(HEADER_BYTES, b"\0")
 
@@ -96,8 +98,9 @@ def _check_header(header: bytes | bytearray, key: bytes, payload_bytes: int) -> 
     """The payload CRC the header promises, or None when the header is not valid for `key`."""
     magic, version, key_len, size, payload_crc = _FIXED.unpack_from(header, 0)
     (header_crc,) = _HEADER_CRC.unpack_from(header, _FIXED.size)
-    key_field = bytes(header[_KEY_OFFSET : _KEY_OFFSET + MAX_KEY_BYTES])
-    if zlib.crc32(key_field, zlib.crc32(bytes(header[: _FIXED.size]))) != header_crc:
+    mv = memoryview(header)
+    key_field = mv[_KEY_OFFSET : _KEY_OFFSET + MAX_KEY_BYTES]
+    if crc32c.crc32c(key_field, crc32c.crc32c(mv[: _FIXED.size])) != header_crc:
         return None
     if magic != MAGIC or version != VERSION or size != payload_bytes:
         return None
@@ -122,6 +125,7 @@ class BlockStore:
         """
         positive_int("blockstore", "full_block_bytes", full_block_bytes)
         self.root = Path(root)
+        self._root_str = os.fspath(self.root)
         self.full_block_bytes = full_block_bytes
         self.is_durable = is_durable
         self.counters = StoreCounters()
@@ -160,9 +164,13 @@ class BlockStore:
     # -- paths -----------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
         """Where the block of `key` lives (it may not exist)."""
+        return Path(self._path_str(key))
+
+    def _path_str(self, key: bytes) -> str:
+        # Plain string joins: this runs once per block read, where pathlib costs microseconds.
         self._check_key(key)
         hex_key = key.hex()
-        return self.root / hex_key[:2] / f"{hex_key}.blk"
+        return f"{self._root_str}/{hex_key[:2]}/{hex_key}.blk"
 
     @staticmethod
     def _check_key(key: bytes) -> None:
@@ -193,7 +201,7 @@ class BlockStore:
             self.counters.num_skipped_puts += 1
             return False
         path.parent.mkdir(exist_ok=True)
-        header = _encode_header(key, mv.nbytes, zlib.crc32(mv))
+        header = _encode_header(key, mv.nbytes, crc32c.crc32c(mv))
         tmp = path.parent / f".tmp-{path.stem}-{os.getpid()}-{next(self._tmp_ids)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -221,7 +229,7 @@ class BlockStore:
         Returns True on a verified hit. Returns False on a miss or a corrupt block (counted in
         `counters`); `out` then holds unspecified bytes and must not be used.
         """
-        path = self.path_of(key)
+        path = self._path_str(key)
         mv = memoryview(out).cast("B")
         if mv.readonly or mv.nbytes != self.full_block_bytes:
             raise StoreError(
@@ -241,14 +249,14 @@ class BlockStore:
         payload_crc = None
         if got == self.file_bytes:
             payload_crc = _check_header(header, key, self.full_block_bytes)
-        if payload_crc is None or zlib.crc32(mv) != payload_crc:
+        if payload_crc is None or crc32c.crc32c(mv) != payload_crc:
             self._quarantine(path)
             return False
         self.counters.num_hits += 1
         self.counters.read_bytes += self.file_bytes
         return True
 
-    def _quarantine(self, path: Path) -> None:
+    def _quarantine(self, path: str) -> None:
         """Count a corrupt block and remove it so it is recomputed and rewritten."""
         self.counters.num_corrupt += 1
         # A concurrent put may have just replaced it with a good file; removing that one only
@@ -258,7 +266,7 @@ class BlockStore:
 
     def contains(self, key: bytes) -> bool:
         """Whether a block of `key` is stored (a `stat`; contents are verified on read)."""
-        return self.path_of(key).exists()
+        return os.path.exists(self._path_str(key))
 
     def longest_prefix(self, keys: Iterable[bytes]) -> int:
         """Number of leading `keys` whose blocks are stored (the hit length in blocks)."""
