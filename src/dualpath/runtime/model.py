@@ -481,14 +481,14 @@ class Model:
     ) -> torch.Tensor:
         """Causal attention of queries at positions `first_position + i` over keys `0..T-1`.
         q: `[n, heads, hd]`, k/v: `[T, kv_heads, hd]` -> `[n, heads * hd]`."""
-        groups = self.config.num_attention_heads // self.config.num_kv_heads
-        qh = q.transpose(0, 1)
-        kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
-        vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
         n, total = q.shape[0], k.shape[0]
         q_pos = torch.arange(first_position, first_position + n, device=q.device)
         mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        # enable_gqa: each group of query heads reads its KV head in place (no repeat copy).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            enable_gqa=True,
+        )
         return out.transpose(0, 1).reshape(n, -1)
 
     def _mlp_block(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
