@@ -268,3 +268,19 @@ def test_bad_checkpoints_name_the_file(tmp_path: Path) -> None:
     save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "two" / "x.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensor 'model.embed_tokens.weight'"):
         load_checkpoint(tmp_path / "two")
+
+
+def test_bfloat16_model_and_layout(tmp_path: Path) -> None:
+    model = tiny_random_model(seed=0, device="cpu", dtype=torch.bfloat16)
+    layout = model.kv_layout(BLOCK)
+    assert layout.dtype == "bfloat16" and layout.kv_bytes_per_token_per_layer == 2 * 2 * 16 * 2
+    ids = random_ids(8, 40)
+    _, kv = model.prefill(ids)
+    block = bytearray(layout.full_block_bytes)
+    for layer, (k, v) in enumerate(kv):
+        layout.write_layer(block, layer, k[:BLOCK], v[:BLOCK])
+    state = model.begin_prefill(ids, BLOCK)
+    for layer in range(layout.num_layers):
+        nk, _ = model.prefill_layer(state, layer, *layout.gather_layer([block], layer, BLOCK))
+        torch.testing.assert_close(nk, kv[layer][0][BLOCK:], rtol=0.05, atol=0.05)
+    assert model.finish_prefill(state).dtype == torch.float32

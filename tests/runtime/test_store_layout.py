@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpath.core.errors import SpecError
 from dualpath.runtime.kvlayout import KVLayout
@@ -89,3 +91,26 @@ def test_invalid_layouts_and_shapes_are_rejected() -> None:
     with pytest.raises(IndexError, match="outside a block"):
         LAYOUT.write_layer(bytearray(LAYOUT.full_block_bytes), 0, torch.zeros(3, 2, 5),
                            torch.zeros(3, 2, 5), start_token=2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.integers(1, 9),
+    pieces=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+)
+def test_scatter_in_pieces_then_gather_is_identity(
+    block_size: int, pieces: list[int], dtype: str
+) -> None:
+    layout = KVLayout(num_layers=2, block_size=block_size, num_kv_heads=1, head_dim=2,
+                      dtype=dtype)
+    total = sum(pieces)
+    blocks = [bytearray(layout.full_block_bytes) for _ in range(layout.num_blocks(total))]
+    k = torch.arange(total * 2, dtype=torch.float32).view(total, 1, 2).to(layout.torch_dtype)
+    v = -k
+    start = 0
+    for n in pieces:
+        layout.scatter_layer(blocks, 1, k[start : start + n], v[start : start + n], start)
+        start += n
+    gk, gv = layout.gather_layer(blocks, 1, total)
+    assert torch.equal(gk, k) and torch.equal(gv, v)

@@ -145,9 +145,15 @@ class BlockStore:
             tmp.write_text(json.dumps(want) + "\n", encoding="utf-8")
             # Another process may win the race; os.link fails if it did, and we then read
             # (and check) its metadata instead of overwriting it.
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.link(tmp, meta_path)
-            tmp.unlink()
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links (some FUSE mounts): a rename is atomic too
+                if not meta_path.exists():
+                    os.replace(tmp, meta_path)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         try:
             have = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
