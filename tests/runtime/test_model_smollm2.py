@@ -67,6 +67,8 @@ def test_tokenizer_round_trip_and_special_tokens(smollm2: tuple[Model, Tokenizer
     chat = tok.encode_chat([ChatMessage("user", "Hi")])
     assert chat[0] == tok.token_id("<|im_start|>") == 1
     assert tok.eos_token_ids == (tok.token_id("<|im_end|>"),)
+    from_gguf = Tokenizer.from_gguf(smollm2_gguf_path())  # built again from the GGUF metadata
+    assert from_gguf.encode(text) == ids and from_gguf.eos_token_ids == tok.eos_token_ids
 
 
 def test_greedy_answer_is_sensible(smollm2: tuple[Model, Tokenizer]) -> None:

@@ -24,6 +24,7 @@ from dualpath.runtime.model import (
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.weights import (
     CheckpointError,
+    convert_gguf,
     load_checkpoint,
     tiny_config,
     tiny_random_model,
@@ -284,3 +285,11 @@ def test_bfloat16_model_and_layout(tmp_path: Path) -> None:
         nk, _ = model.prefill_layer(state, layer, *layout.gather_layer([block], layer, BLOCK))
         torch.testing.assert_close(nk, kv[layer][0][BLOCK:], rtol=0.05, atol=0.05)
     assert model.finish_prefill(state).dtype == torch.float32
+
+
+def test_convert_rejects_a_non_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CheckpointError, match=r"model\.gguf: not a readable GGUF file"):
+        convert_gguf(bogus, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -86,9 +86,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path | str) -> Tokenizer:
         """Build the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata."""
-        import gguf
+        from dualpath.runtime.weights import open_gguf  # weights imports this module
 
-        return cls.from_gguf_reader(gguf.GGUFReader(str(path)), str(path))
+        return cls.from_gguf_reader(open_gguf(path), str(path))
 
     @classmethod
     def from_gguf_reader(cls, reader: Any, where: str) -> Tokenizer:

