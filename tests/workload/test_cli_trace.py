@@ -26,7 +26,7 @@ def test_generate_then_stats_64k(tmp_path: Path, capsys: pytest.CaptureFixture[s
                       ("total_tokens", 55958), ("context_tokens", 32721)):
         assert d[key] == pytest.approx(want, rel=0.05), key
     assert d["paper_hit_rate"] == pytest.approx(0.987, abs=0.002)
-    assert d["paper"]["preset"] == "64k"
+    assert d["compare"]["label"] == "paper 64K" and d["compare"]["turns"] == 157
 
 
 def test_generate_to_stdout_with_replay_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,3 +74,17 @@ def test_user_errors_exit_2_with_file_and_line(
     assert "--format" in capsys.readouterr().err
     assert main(["trace", "stats", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_generate_fit_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "f.jsonl"
+    args = ["trace", "generate", "--fit", "16384,40,500,150,14000,8000", "--num-trajectories",
+            "40", "--fit-iterations", "5", "--out", str(out)]
+    assert main(args) == 0
+    tf = load_trajectories(out)
+    assert tf.meta["fit_target"]["max_len_tokens"] == 16384 and tf.max_len_tokens == 16384
+    assert tf.meta["params"]["max_len_tokens"] == 16384
+    assert main(["trace", "stats", str(out)]) == 0
+    assert "fit target" in capsys.readouterr().out
+    assert main(["trace", "generate", "--fit", "100,2,3,4,500,6"]) == 2
+    assert "TOTAL and CONTEXT" in capsys.readouterr().err

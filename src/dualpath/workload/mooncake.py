@@ -61,7 +61,7 @@ class PrefixStore:
         return hit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class MooncakeTrace:
     """A loaded Mooncake trace, requests in replay (timestamp) order, with per-request arrays.
 

@@ -133,12 +133,13 @@ def hit_tokens_of(context_tokens: IntArray, block_size: int = DEFAULT_BLOCK_SIZE
     return (context_tokens // block_size) * block_size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TurnTable:
     """Every turn of many trajectories as flat, aligned int64 arrays (one row per turn).
 
     Rows are ordered by trajectory, then turn. `starts[k]:starts[k+1]` are the rows of
-    trajectory k (`starts` has one extra final entry). Hits use `block_size`.
+    trajectory k (`starts` has one extra final entry). Hits use `block_size`. Compared by
+    identity (arrays have no single truth value); treat the arrays as read-only.
     """
 
     trajectory_index: IntArray
@@ -174,8 +175,8 @@ class TurnTable:
         """Derive contexts from per-turn lengths already laid out by trajectory, then turn."""
         step = append_tokens + gen_tokens
         cum = np.cumsum(step) - step  # exclusive prefix sum over all rows
-        context = cum - np.repeat(cum[starts[:-1]] if len(starts) > 1 else cum[:0],
-                                  np.diff(starts))
+        # Each row's context is the prefix sum since its trajectory's first row.
+        context = cum - np.repeat(cum[starts[:-1]], np.diff(starts))
         hit_tokens_of(context, block_size)  # validates block_size
         return cls(trajectory_index, turn_index, append_tokens, gen_tokens, context, starts,
                    block_size)

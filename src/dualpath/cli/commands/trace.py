@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,6 +23,7 @@ import numpy as np
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
 from dualpath.workload.errors import TraceFormatError
+from dualpath.workload.fit import fit_params
 from dualpath.workload.jsonl import (
     TrajectoryFile,
     parse_trajectories,
@@ -31,7 +33,7 @@ from dualpath.workload.jsonl import (
 from dualpath.workload.mooncake import MooncakeTrace, parse_mooncake, to_trajectories
 from dualpath.workload.replay import expand_agents, scale_lengths
 from dualpath.workload.stats import Table2Stats, table2_stats
-from dualpath.workload.synthetic import PRESETS, TABLE2, generate, preset
+from dualpath.workload.synthetic import PRESETS, TABLE2, Table2Row, generate, preset
 from dualpath.workload.trajectory import TurnTable
 
 
@@ -59,6 +61,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--num-agents", type=int, metavar="N",
                    help="expand to N agents (extra agents replay a sampled trajectory after a "
                         "synthetic round of 64 random tokens, as in the paper)")
+    g.add_argument("--fit", metavar="MAXLEN,TURNS,APPEND,GEN,TOTAL,CONTEXT",
+                   help="instead of --preset, fit the generator to your own Table 2 row "
+                        "(about a minute; the fitted parameters go into the file's meta)")
+    g.add_argument("--fit-iterations", type=int, default=400, metavar="N",
+                   help="Nelder-Mead iterations for --fit (default: %(default)s)")
     g.add_argument("--out", default="-", metavar="PATH",
                    help="output file (default: stdout)")
     g.set_defaults(func=run_generate)
@@ -70,7 +77,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--block-size", type=int, metavar="TOKENS",
                    help="block size for trajectory hits (default: the file's, else 64)")
     s.add_argument("--compare", metavar="PRESET",
-                   help="Table 2 row to compare with (default: the generator preset in the file)")
+                   help="paper Table 2 row to compare with (default: the file's generator "
+                        "preset or --fit target)")
     s.add_argument("--json", action="store_true", help="print the statistics as JSON")
     s.add_argument("--plot", metavar="PNG", help="write histograms to this PNG file")
     s.set_defaults(func=run_stats)
@@ -114,10 +122,33 @@ def _detect(lines: list[str], path: str) -> str:
     raise TraceFormatError(path, 0, "empty file")
 
 
+def _fit_target(text: str) -> Table2Row:
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != 6 or min(values) <= 0 or not values[0].is_integer():
+        raise SpecError("trace generate", "--fit", text,
+                        "expected MAXLEN,TURNS,APPEND,GEN,TOTAL,CONTEXT, all positive, "
+                        "MAXLEN an integer")
+    if values[4] > values[0] or values[5] > values[0]:
+        raise SpecError("trace generate", "--fit", text, "TOTAL and CONTEXT must be <= MAXLEN")
+    return Table2Row(int(values[0]), *values[1:])
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    params = preset(args.preset).with_num_trajectories(args.num_trajectories)
+    if args.fit is not None:
+        target = _fit_target(args.fit)
+        print(f"fitting the generator to {args.fit} ...", file=sys.stderr)
+        params = fit_params(target, num_trajectories=args.num_trajectories,
+                            max_iter=args.fit_iterations)
+        name = f"fit-{target.max_len_tokens}"
+    else:
+        params = preset(args.preset).with_num_trajectories(args.num_trajectories)
+        name = args.preset.lower()
     mal = args.mal if args.mal is not None else params.max_len_tokens
-    trajs = generate(params, args.seed, id_prefix=f"{args.preset.lower()}-{args.seed}-")
+    trajs = generate(params, args.seed, id_prefix=f"{name}-{args.seed}-")
     if args.append_scale != 1.0 or args.gen_scale != 1.0 or mal != params.max_len_tokens:
         trajs = [scale_lengths(t, args.append_scale, args.gen_scale, mal) for t in trajs]
     mal_header = mal
@@ -126,10 +157,12 @@ def run_generate(args: argparse.Namespace) -> int:
         # A prepended synthetic round adds 65 tokens, so an expanded set may exceed the MAL.
         mal_header = max(mal, max(t.total_tokens for t in trajs))
     meta: dict[str, Any] = {
-        "generator": "dualpath.workload.synthetic", "preset": args.preset.lower(),
+        "generator": "dualpath.workload.synthetic", "preset": name,
         "seed": args.seed, "params": params.to_dict(), "append_scale": args.append_scale,
         "gen_scale": args.gen_scale, "mal_tokens": mal, "num_agents": args.num_agents,
     }
+    if args.fit is not None:
+        meta["fit_target"] = asdict(target)
     tf = trajectory_file(trajs, mal_header, DEFAULT_BLOCK_SIZE, meta)
     out = _open_out(args.out)
     try:
@@ -144,8 +177,8 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def render_table2(s: Table2Stats, compare: str | None) -> str:
-    """Table 2's columns for `s`, with the paper's row and deviations when `compare` is given."""
+def render_table2(s: Table2Stats, compare: tuple[str, Table2Row] | None) -> str:
+    """Table 2's columns for `s`, with a target row (label, row) and deviations if given."""
     head = f"{'':<10} {'Turns':>8} {'Append':>8} {'Gen':>8} {'Total':>9} {'Context':>9} {'Hit':>7}"
     ours = (s.turns, s.append_tokens, s.gen_tokens, s.total_tokens, s.context_tokens)
     lines = [
@@ -156,11 +189,11 @@ def render_table2(s: Table2Stats, compare: str | None) -> str:
         f"{ours[4]:>9.0f} {_pct(s.paper_hit_rate):>7}",
     ]
     if compare is not None:
-        row = TABLE2[compare]
+        label, row = compare
         paper = (row.turns, row.append_tokens, row.gen_tokens, row.total_tokens,
                  row.context_tokens)
         lines.append(
-            f"{'paper ' + compare.upper():<10} {paper[0]:>8.0f} {paper[1]:>8.0f} "
+            f"{label:<10} {paper[0]:>8.0f} {paper[1]:>8.0f} "
             f"{paper[2]:>8.0f} {paper[3]:>9.0f} {paper[4]:>9.0f} {_pct(row.hit_rate):>7}"
         )
         devs = [o / p - 1 for o, p in zip(ours, paper, strict=True)]
@@ -266,14 +299,20 @@ def _save(fig: Any, path: str) -> None:
         raise TraceFormatError(path, 0, f"cannot write plot: {exc.strerror}") from None
 
 
-def _compare_preset(tf: TrajectoryFile, explicit: str | None) -> str | None:
-    if explicit is not None:
-        name = explicit.lower()
-        if name not in TABLE2:
-            preset(name)  # raises UnknownPresetError listing the valid names
-        return name
-    meta_preset = tf.meta.get("preset")
-    return meta_preset if isinstance(meta_preset, str) and meta_preset in TABLE2 else None
+def _compare_row(tf: TrajectoryFile, explicit: str | None) -> tuple[str, Table2Row] | None:
+    """The row to compare with: --compare, else the file's preset, else its --fit target."""
+    name = explicit.lower() if explicit is not None else tf.meta.get("preset")
+    if explicit is not None and name not in TABLE2:
+        preset(explicit)  # raises UnknownPresetError listing the valid names
+    if isinstance(name, str) and name in TABLE2:
+        return f"paper {name.upper()}", TABLE2[name]
+    target = tf.meta.get("fit_target")
+    if isinstance(target, dict):
+        try:
+            return "fit target", Table2Row(**target)
+        except TypeError:
+            return None
+    return None
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -296,16 +335,14 @@ def run_stats(args: argparse.Namespace) -> int:
         raise SpecError("trace stats", "--block-size", bs, "must be an integer >= 1")
     table = TurnTable.from_trajectories(tf.trajectories, bs)
     s = table2_stats(table)
-    compare = _compare_preset(tf, args.compare)
+    compare = _compare_row(tf, args.compare)
     if args.plot:
         _plot_trajectories(table, args.plot)
     if args.json:
         d: dict[str, Any] = {"format": "trajectories", **s.to_dict()}
         if compare is not None:
-            row = TABLE2[compare]
-            d["paper"] = {"preset": compare, "turns": row.turns, "append_tokens": row.append_tokens,
-                          "gen_tokens": row.gen_tokens, "total_tokens": row.total_tokens,
-                          "context_tokens": row.context_tokens, "hit_rate": row.hit_rate}
+            label, row = compare
+            d["compare"] = {"label": label, **asdict(row), "hit_rate": row.hit_rate}
         print(json.dumps(d, indent=2))
     else:
         print(render_table2(s, compare))
