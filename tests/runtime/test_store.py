@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpath.core.blocks import block_keys
 from dualpath.runtime.store import HEADER_BYTES, BlockStore, StoreError
@@ -91,6 +93,22 @@ def test_torn_or_foreign_files_are_never_served(tmp_path: Path, damage: str) -> 
     assert not store.get_into(k1, bytearray(BLOCK_BYTES))
     assert store.counters.num_corrupt == 1
     assert store.get_into(k2, bytearray(BLOCK_BYTES))
+
+
+@settings(max_examples=60, deadline=None)
+@given(offset=st.integers(0, HEADER_BYTES + 256 - 1), bit=st.integers(0, 7))
+def test_any_flipped_bit_anywhere_in_the_file_is_never_served(
+    tmp_path_factory: pytest.TempPathFactory, offset: int, bit: int
+) -> None:
+    store = BlockStore(tmp_path_factory.mktemp("flip"), 256, is_durable=False)
+    key = b"f" * 16
+    store.put(key, payload(9, 256))
+    path = store.path_of(key)
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 1 << bit
+    path.write_bytes(raw)
+    assert not store.get_into(key, bytearray(256))
+    assert store.counters.num_corrupt == 1
 
 
 def test_put_without_overwrite_skips_existing(tmp_path: Path) -> None:

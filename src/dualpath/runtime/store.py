@@ -106,6 +106,8 @@ def _check_header(header: bytes | bytearray, key: bytes, payload_bytes: int) -> 
         return None
     if key_len != len(key) or key_field[:key_len] != key:
         return None
+    if any(mv[_KEY_OFFSET + MAX_KEY_BYTES :]):  # the pad is zero: every header byte is checked
+        return None
     return int(payload_crc)
 
 
