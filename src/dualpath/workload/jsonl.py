@@ -106,6 +106,8 @@ def _lengths(path: str, lineno: int, name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise TraceFormatError(path, lineno, f"must be a non-empty list of integers, "
                                f"got {type(value).__name__}", name)
+    if all(type(v) is int for v in value) and min(value) >= 1:  # fast path; bool is not int
+        return tuple(value)
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TraceFormatError(path, lineno, f"turn {i}: must be an integer >= 1, got {v!r}",

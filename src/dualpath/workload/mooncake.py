@@ -149,8 +149,8 @@ def parse_mooncake(
                 raise TraceFormatError(path, lineno, f"must be an integer >= 1, got {v!r}", name)
             lengths.append(v)
         ids = obj["hash_ids"]
-        if not isinstance(ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+        if not isinstance(ids, list) or not all(type(h) is int for h in ids) or (
+            ids and min(ids) < 0
         ):
             raise TraceFormatError(path, lineno, "must be a list of integers >= 0", "hash_ids")
         want = -(-lengths[0] // block_size_tokens)
