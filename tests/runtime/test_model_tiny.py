@@ -255,6 +255,18 @@ def test_load_checkpoint_folder(tmp_path: Path, model_type: str) -> None:
     assert loaded.config.to_model_spec().kv_bytes_per_token == loaded.kv_layout().kv_bytes_per_token
 
 
+def test_sliding_window_caps_sequence_length(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "ckpt", "llama", seed=3)
+    cfg_path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg |= {"model_type": "mistral", "sliding_window": 32}
+    cfg_path.write_text(json.dumps(cfg))
+    model = load_checkpoint(tmp_path / "ckpt", device="cpu")
+    assert model.config.max_position_tokens == 32
+    with pytest.raises(SpecError, match="max_position_tokens=32"):
+        model.begin_prefill(random_ids(9, 40), 0)
+
+
 def test_bad_checkpoints_name_the_file(tmp_path: Path) -> None:
     write_checkpoint(tmp_path / "ckpt", "llama", seed=3)
     cfg = tmp_path / "ckpt" / "config.json"

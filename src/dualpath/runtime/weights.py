@@ -136,6 +136,12 @@ def config_from_hf(folder: Path | str, name: str | None = None) -> ModelConfig:
         return value
 
     heads = field("num_attention_heads")
+    max_positions = field("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", model_type == "mistral"):
+        # Within the window, sliding-window attention is full causal attention; beyond it this
+        # model would differ, so sequences are capped there instead of computed wrongly.
+        max_positions = min(max_positions, int(window))
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     try:
@@ -150,7 +156,7 @@ def config_from_hf(folder: Path | str, name: str | None = None) -> ModelConfig:
             head_dim=field("head_dim", field("hidden_size") // heads),
             rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
             rope_theta=float(field("rope_theta", 10000.0)),
-            max_position_tokens=field("max_position_embeddings", 4096),
+            max_position_tokens=max_positions,
             is_tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             has_qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
