@@ -24,7 +24,7 @@ import numpy as np
 
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
-from dualpath.core.validate import positive, positive_int
+from dualpath.core.validate import non_negative_int, positive, positive_int
 from dualpath.workload.trajectory import Trajectory
 
 
@@ -82,6 +82,7 @@ def expand_agents(
     """`num_agents` agents: the trajectories themselves first, then sampled ones with a synthetic
     first round (see the module docstring). Deterministic given `seed`."""
     positive_int("expand_agents", "num_agents", num_agents)
+    non_negative_int("expand_agents", "seed", seed)
     positive_int("expand_agents", "synthetic_append_tokens", synthetic_append_tokens)
     if not trajectories:
         raise SpecError("expand_agents", "trajectories", 0, "needs at least one trajectory")

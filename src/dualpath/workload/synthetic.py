@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError, UnknownPresetError
-from dualpath.core.validate import non_negative, positive, positive_int
+from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.workload.trajectory import Trajectory, TurnTable
 
 _BLOCK_COLUMNS = 128
@@ -178,6 +178,7 @@ def generate_table(
     params: SyntheticParams, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> TurnTable:
     """`params.num_trajectories` trajectories as a `TurnTable`, deterministic given `seed`."""
+    non_negative_int("generate", "seed", seed)
     n, mal = params.num_trajectories, params.max_len_tokens
     base = np.random.SeedSequence(seed)
     per_traj = _stratified_normals(np.random.default_rng(base.spawn(1)[0]), 4, n)

@@ -98,6 +98,10 @@ def _open_out(path: str) -> TextIO:
         raise TraceFormatError(path, 0, f"cannot write: {exc.strerror}") from None
 
 
+def _display_name(path: str) -> str:
+    return "<stdin>" if path == "-" else path
+
+
 def _read_lines(path: str) -> list[str]:
     if path == "-":
         return sys.stdin.readlines()
@@ -317,19 +321,20 @@ def _compare_row(tf: TrajectoryFile, explicit: str | None) -> tuple[str, Table2R
 
 def run_stats(args: argparse.Namespace) -> int:
     lines = _read_lines(args.path)
-    fmt = args.format if args.format != "auto" else _detect(lines, args.path)
+    name = _display_name(args.path)
+    fmt = args.format if args.format != "auto" else _detect(lines, name)
     if fmt == "mooncake":
-        trace = parse_mooncake(lines, args.path)
+        trace = parse_mooncake(lines, name)
         if trace.num_requests == 0:
-            raise TraceFormatError(args.path, 0, "no requests")
+            raise TraceFormatError(name, 0, "no requests")
         if args.plot:
             _plot_mooncake(trace, args.plot)
         print(json.dumps(_mooncake_dict(trace), indent=2) if args.json
               else render_mooncake(trace))
         return 0
-    tf = parse_trajectories(lines, args.path)
+    tf = parse_trajectories(lines, name)
     if not tf.trajectories:
-        raise TraceFormatError(args.path, 0, "no trajectories")
+        raise TraceFormatError(name, 0, "no trajectories")
     bs = args.block_size if args.block_size is not None else tf.block_size_tokens
     if isinstance(bs, int) and bs < 1:
         raise SpecError("trace stats", "--block-size", bs, "must be an integer >= 1")
@@ -351,7 +356,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_convert(args: argparse.Namespace) -> int:
     lines = _read_lines(args.path)
-    trace = parse_mooncake(lines, args.path)
+    trace = parse_mooncake(lines, _display_name(args.path))
     tf = to_trajectories(trace, source=args.path)
     buf = io.StringIO()
     write_trajectories(buf, tf)
