@@ -7,7 +7,7 @@ DRAM twice (written by one NIC, read by another) has weight 2 there. All hops of
 together (a pipelined transfer), which is the fluid view of store-and-forward with small blocks.
 
 Invariant kept by `_recompute`: for every link, sum over its flows of `weight * rate` is at most
-its capacity; every flow is bottlenecked on at least one saturated link (max-min fairness).
+its capacity; every flow is bottlenecked on a saturated link or runs at its bound (max-min).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Link:
         "_bins",
         "_load_since_s",
         "bin_s",
+        "bound_load",
         "bytes_carried",
         "capacity_bytes_per_s",
         "flows",
@@ -50,6 +51,8 @@ class Link:
         self.capacity_bytes_per_s = capacity_bytes_per_s
         self.flows: dict[Flow, float] = {}
         self.load_bytes_per_s = 0.0
+        self.bound_load = 0.0
+        """Sum over flows of weight * bound: if within capacity the link cannot bind."""
         self.bytes_carried = 0.0
         self.peak_utilization = 0.0
         self.bin_s = bin_s
@@ -75,7 +78,14 @@ class Link:
             bins[b] += load * width
         bins[last] += load * (now_s - last * width)
 
+    @property
+    def is_tight(self) -> bool:
+        """Could bind: its flows, each at its bound, would exceed the capacity."""
+        return self.bound_load > self.capacity_bytes_per_s * _TIGHT
+
     def set_load(self, load_bytes_per_s: float) -> None:
+        if load_bytes_per_s < 0.0 or not self.flows:
+            load_bytes_per_s = max(0.0, load_bytes_per_s) if self.flows else 0.0
         self.load_bytes_per_s = load_bytes_per_s
         if self.capacity_bytes_per_s > 0:
             u = load_bytes_per_s / self.capacity_bytes_per_s
@@ -93,7 +103,7 @@ class Link:
 class Flow:
     """A transfer of `size` units over weighted links; `on_done` runs when it completes."""
 
-    __slots__ = ("_handle", "_updated_s", "links", "on_done", "rate", "remaining", "size")
+    __slots__ = ("_handle", "_updated_s", "bound", "links", "on_done", "rate", "remaining", "size")
 
     def __init__(
         self, links: Iterable[tuple[Link, float]], size: float, on_done: Callable[[], None]
@@ -106,13 +116,21 @@ class Flow:
         self.size = size
         self.remaining = size
         self.rate = 0.0
+        self.bound = 0.0
+        """The rate this flow would get alone: min over its links of capacity / weight."""
         self.on_done = on_done
         self._handle = 0
         self._updated_s = 0.0
 
 
 class FlowNet:
-    """The set of active flows over a set of links, driven by an `EventLoop`."""
+    """The set of active flows over a set of links, driven by an `EventLoop`.
+
+    Only *tight* links can bind: a link is slack when even every flow on it running at its
+    `bound` (the rate it would get alone) stays within capacity, and a slack link is dropped
+    from the max-min problem without changing its solution. So a recompute visits only the
+    flows connected to the change through tight links, which keeps it local in large clusters.
+    """
 
     def __init__(self, loop: EventLoop) -> None:
         self.loop = loop
@@ -124,9 +142,12 @@ class FlowNet:
             self.loop.after(0.0, flow.on_done)
             return flow
         flow._updated_s = self.loop.now_s
+        flow.bound = min(link.capacity_bytes_per_s / w for link, w in flow.links.items())
         for link, weight in flow.links.items():
             link.flows[flow] = weight
-        self._recompute(list(flow.links))
+            link.bound_load += weight * flow.bound
+        # Other flows can only slow down on links this one made (or found) tight.
+        self._recompute([flow], [lk for lk in flow.links if lk.is_tight])
         return flow
 
     def set_capacity(self, link: Link, capacity_bytes_per_s: float) -> None:
@@ -135,72 +156,125 @@ class FlowNet:
             return
         link.close_segment(self.loop.now_s)
         link.capacity_bytes_per_s = capacity_bytes_per_s
+        seeds: dict[Link, None] = {link: None}
+        for f in link.flows:
+            bound = min(lk.capacity_bytes_per_s / w for lk, w in f.links.items())
+            for lk, w in f.links.items():
+                lk.bound_load += w * (bound - f.bound)
+                seeds[lk] = None
+            f.bound = bound
         if link.flows:
-            self._recompute([link])
+            self._recompute(list(link.flows), list(seeds))
 
     def _finish(self, flow: Flow) -> None:
+        now = self.loop.now_s
         flow.remaining = 0.0
-        links = list(flow.links)
-        for link in links:
+        # Only flows on links that were tight can speed up when this one leaves.
+        links = [lk for lk in flow.links if lk.is_tight]
+        for link, w in flow.links.items():
             del link.flows[flow]
-        self._recompute(links)
+            link.close_segment(now)
+            if link.flows:
+                link.bound_load -= w * flow.bound
+                link.set_load(link.load_bytes_per_s - w * flow.rate)
+            else:
+                link.bound_load = 0.0
+                link.set_load(0.0)
+        flow.rate = 0.0
+        if links:
+            self._recompute([], links)
         flow.on_done()
 
-    def _recompute(self, seeds: list[Link]) -> None:
-        """Weighted max-min (progressive filling) over the component reachable from `seeds`."""
+    def _recompute(self, seed_flows: list[Flow], seeds: list[Link]) -> None:
+        """Weighted max-min (progressive filling with per-flow bounds) over `seed_flows` and
+        the flows reachable from `seeds` through tight links; only flows whose rate changes
+        are touched after."""
         self.num_recomputes += 1
         now = self.loop.now_s
-        links: dict[Link, None] = dict.fromkeys(seeds)
-        flows: dict[Flow, None] = {}
-        stack = list(seeds)
+        flows: dict[Flow, None] = dict.fromkeys(seed_flows)
+        tight: dict[Link, float] = {}
+        stack: list[Link] = []
+        for link in seeds:
+            for f in link.flows:
+                flows[f] = None
+        for f in list(flows):
+            for link in f.links:
+                if link not in tight and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+                    tight[link] = 0.0
+                    stack.append(link)
         while stack:
             link = stack.pop()
             for f in link.flows:
                 if f not in flows:
                     flows[f] = None
                     for other in f.links:
-                        if other not in links:
-                            links[other] = None
+                        if other not in tight and (
+                            other.bound_load > other.capacity_bytes_per_s * _TIGHT
+                        ):
+                            tight[other] = 0.0
                             stack.append(other)
-        # Advance every affected flow to `now` at its old rate before rates change.
-        old_rates = {}
-        for f in flows:
-            f.remaining -= f.rate * (now - f._updated_s)
-            f._updated_s = now
-            old_rates[f] = f.rate
-        for link in links:
-            link.close_segment(now)
-        residual = {link: link.capacity_bytes_per_s for link in links}
-        weight_sum = {link: sum(link.flows.values()) for link in links}
-        unfrozen = dict(flows)
-        level = 0.0
-        while unfrozen:
+        if not flows:
+            return
+        residual = {link: link.capacity_bytes_per_s for link in tight}
+        for link in tight:
+            tight[link] = sum(link.flows.values())
+        new_rate: dict[Flow, float] = {}
+        by_bound = sorted(flows, key=_bound_key)
+        nb = 0
+        while len(new_rate) < len(flows):
             best, best_link = math.inf, None
-            for link, w in weight_sum.items():
+            for link, w in tight.items():
                 if w > _EPS:
                     x = residual[link] / w
                     if x < best:
                         best, best_link = x, link
-            if best_link is None:  # pragma: no cover - every flow has a link
+            while nb < len(by_bound) and by_bound[nb] in new_rate:
+                nb += 1
+            if nb < len(by_bound) and by_bound[nb].bound <= best:
+                frozen = [by_bound[nb]]
+                level = by_bound[nb].bound
+            elif best_link is not None:
+                frozen = [f for f in best_link.flows if f not in new_rate]
+                level = best
+            else:  # pragma: no cover - the bound of every flow is finite
                 break
-            level = max(level, best)
-            for f in [f for f in best_link.flows if f in unfrozen]:
-                del unfrozen[f]
-                f.rate = level
+            for f in frozen:
+                new_rate[f] = level
                 for link, w in f.links.items():
-                    residual[link] -= w * level
-                    weight_sum[link] -= w
-            weight_sum[best_link] = 0.0
-        for link in links:
-            link.set_load(sum(w * f.rate for f, w in link.flows.items()))
+                    if link in tight:
+                        residual[link] -= w * level
+                        tight[link] -= w
+            if best_link is not None and not frozen:
+                tight[best_link] = 0.0
         loop = self.loop
-        for f, old_rate in old_rates.items():
-            if f._handle and f.rate == old_rate:
+        changed: dict[Link, None] = {}
+        for f, rate in new_rate.items():
+            old = f.rate
+            if f._handle and rate == old:
                 continue  # its completion time is unchanged
+            f.remaining -= old * (now - f._updated_s)
+            f._updated_s = now
+            f.rate = rate
+            if rate != old:
+                for link, w in f.links.items():
+                    if link not in changed:
+                        changed[link] = None
+                        link.close_segment(now)
+                    link.load_bytes_per_s += w * (rate - old)
             if f._handle:
                 loop.cancel(f._handle)
-            done_s = now + max(f.remaining, 0.0) / f.rate if f.rate > 0 else math.inf
+            done_s = now + max(f.remaining, 0.0) / rate if rate > 0 else math.inf
             f._handle = loop.at(done_s, self._finisher(f)) if done_s < math.inf else 0
+        # Peaks are checked only once every rate of this recompute is applied.
+        for link in changed:
+            link.set_load(link.load_bytes_per_s)
 
     def _finisher(self, flow: Flow) -> Callable[[], None]:
         return lambda: self._finish(flow)
+
+
+_TIGHT = 1.0 + 1e-9
+
+
+def _bound_key(f: Flow) -> float:
+    return f.bound

@@ -8,7 +8,7 @@ policy family the mode asks for (`dualpath` or `round_robin`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dualpath.sched import batching, de, pe
@@ -81,8 +81,8 @@ class Policy:
         return [(a.request_id, a.engine_id, a.hbm_bytes) for a in fetch.assignments]
 
     def pe_fetch(
-        self, gi: int, queue: list[WaitingRequest], reports: list[EngineReport],
-        de_node_of: dict[int, int], de_read_q: dict[int, int],
+        self, gi: int, queue: Iterable[WaitingRequest], reports: list[EngineReport],
+        de_node_of: Mapping[int, int], de_read_q: Mapping[int, int],
     ) -> tuple[PEAssignment, ...]:
         """A PE group fetch (Algorithm 1 or round robin), read paths included."""
         if self.is_dualpath:

@@ -22,10 +22,11 @@ changes: within an epoch the step time is constant, so completions are computed,
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 from dualpath.core.cluster import ClusterSpec
@@ -59,7 +60,8 @@ class _DecodeGroup:
 
     def __init__(self, engines: list[int]) -> None:
         self.engines = engines
-        self.members: dict[Req, None] = {}
+        self.members: list[tuple[float, int, Req]] = []
+        """Heap of (finish step, request id, request): members leave only by finishing."""
         self.step_s = 0.0
         self.anchor_s = 0.0
         self.anchor_steps = 0.0
@@ -84,6 +86,8 @@ class Simulator:
             coeffs = replace(coeffs, **dict(config.cost_overrides))  # type: ignore[arg-type]
         self.coeffs = coeffs
         self.policy = Policy(config, coeffs)
+        self.attn_fixed_s = costmod.attention_fixed_time_s(self.model, coeffs)
+        self._reports: dict[int, EngineReport] = {}
         self.kv_bpt = self.model.kv_bytes_per_token
         self.block = self.params.block_size_tokens
         g = self.hw.gpus_per_node
@@ -149,6 +153,9 @@ class Simulator:
         self.waiting: dict[int, WaitingRequest] = {}
         self.de_global: deque[Req] = deque()
         self.pe_queue: deque[Req] = deque()
+        self.next_pgroup = 0
+        self.de_node_of = _DeNodeOf(self)
+        self.de_read_q = _DeReadQ(self)
         self.num_done = 0
         self.is_stopped = False
         self.stop_reason = ""
@@ -245,8 +252,17 @@ class Simulator:
         self._dispatch_de()
 
     def _report(self, e: Engine, role: Role) -> EngineReport:
-        return EngineReport(e.idx, e.node, role, e.num_seqs, e.num_tokens,
-                            self.nodes[e.node].read_q_tokens, int(e.free_hbm_bytes))
+        """The engine's fetch report; reused while nothing in it changed (most engines of a
+        group are untouched between two fetches)."""
+        old = self._reports.get(e.idx)
+        read_q = self.nodes[e.node].read_q_tokens
+        free = int(e.free_hbm_bytes)
+        if (old is not None and old.num_seqs == e.num_seqs and old.num_tokens == e.num_tokens
+                and old.read_q_tokens == read_q and old.free_hbm_bytes == free):
+            return old
+        rep = EngineReport(e.idx, e.node, role, e.num_seqs, e.num_tokens, read_q, free)
+        self._reports[e.idx] = rep
+        return rep
 
     def _dispatch_de(self) -> None:
         """Two-level DE scheduling: the global queue to groups, then each group's fetch."""
@@ -278,16 +294,20 @@ class Simulator:
             self._dispatch_pe()
 
     def _dispatch_pe(self) -> None:
-        """Every PE group fetches from the FIFO queue (Algorithm 1 or round robin)."""
+        """PE groups fetch from the FIFO queue (Algorithm 1 or round robin), in turn: the
+        group after the last one that fetched goes first, so no node is favoured."""
         pol = self.policy
-        for grp in self.pgroups:
+        num = len(self.pgroups)
+        for k in range(num):
             if not self.pe_queue:
                 return
+            grp = self.pgroups[(self.next_pgroup + k) % num]
             reports = [self._report(self.engines[e], Role.PREFILL) for e in grp.engines]
-            queue = [self.waiting[r.rid] for r in self.pe_queue]
-            de_node_of = {r.rid: self.engines[r.de].node for r in self.pe_queue}
-            de_q = {n: self.nodes[n].read_q_tokens for n in set(de_node_of.values())}
-            for a in pol.pe_fetch(grp.idx, queue, reports, de_node_of, de_q):
+            queue = (self.waiting[r.rid] for r in self.pe_queue)
+            assigned = pol.pe_fetch(grp.idx, queue, reports, self.de_node_of, self.de_read_q)
+            if assigned:
+                self.next_pgroup = (grp.idx + 1) % num
+            for a in assigned:
                 req = self.pe_queue.popleft()
                 assert req.rid == a.request_id
                 eng = self.engines[a.engine_id]
@@ -362,12 +382,12 @@ class Simulator:
         total_new = 0
         for e in grp.engines:
             eng = self.engines[e]
-            if eng.ready:
-                chunks = self.policy.pack(eng.ready, self.pe_hbm_kv_bytes, self.mode.is_layerwise)
-            else:
-                chunks = []
+            if not eng.ready:
+                attn.append(self.attn_fixed_s)  # an idle engine still joins the synchronized step
+                continue
             pairs = []
-            for req, n in chunks:
+            for req, n in self.policy.pack(eng.ready, self.pe_hbm_kv_bytes,
+                                           self.mode.is_layerwise):
                 step.append((req, n))
                 pairs.append((req.cached_tokens, n))
                 total_new += n
@@ -537,7 +557,7 @@ class Simulator:
         start = math.ceil(s - 1e-9)
         req.finish_step = start + req.gen - 1
         grp.anchor_s, grp.anchor_steps = now, s
-        grp.members[req] = None
+        heapq.heappush(grp.members, (req.finish_step, req.rid, req))
         eng = self.engines[req.de]
         eng.num_decoding += 1
         eng.ctx_tokens += req.prompt + req.gen / 2.0
@@ -563,7 +583,7 @@ class Simulator:
             grp.handle = 0
         if not grp.members:
             return
-        first = min(r.finish_step for r in grp.members)
+        first = grp.members[0][0]
         at = grp.anchor_s + (first - grp.anchor_steps) * step
         grp.handle = self.loop.at(at, lambda: self._decode_event(grp))
 
@@ -571,9 +591,10 @@ class Simulator:
         grp.handle = 0
         s = self._steps_now(grp)
         grp.anchor_s, grp.anchor_steps = self.loop.now_s, s
-        done = [r for r in grp.members if r.finish_step <= s + 1e-6]
+        done: list[Req] = []
+        while grp.members and grp.members[0][0] <= s + 1e-6:
+            done.append(heapq.heappop(grp.members)[2])
         for req in done:
-            del grp.members[req]
             eng = self.engines[req.de]
             eng.num_decoding -= 1
             eng.ctx_tokens -= req.prompt + req.gen / 2.0
@@ -612,6 +633,48 @@ class Simulator:
             self._arrive(req.agent, nxt)
         else:
             self._dispatch_de()
+
+
+class _DeNodeOf(Mapping[int, int]):
+    """request id -> node of its DE, for requests in the PE queue (a view, built on demand:
+    a fetch looks up only the requests it assigns)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def __getitem__(self, rid: int) -> int:
+        de = self.sim.reqs[rid].de
+        if de < 0:
+            raise KeyError(rid)
+        return self.sim.engines[de].node
+
+    def __contains__(self, rid: object) -> bool:
+        return isinstance(rid, int) and 0 <= rid < len(self.sim.reqs) and self.sim.reqs[rid].de >= 0
+
+    def __iter__(self) -> Iterator[int]:
+        return (r.rid for r in self.sim.pe_queue)
+
+    def __len__(self) -> int:
+        return len(self.sim.pe_queue)
+
+
+class _DeReadQ(Mapping[int, int]):
+    """node -> its read queue in tokens (a live view of every decode node)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.first = sim.config.cluster.num_prefill_nodes
+
+    def __getitem__(self, node: int) -> int:
+        if not self.first <= node < len(self.sim.nodes):
+            raise KeyError(node)
+        return self.sim.nodes[node].read_q_tokens
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.first, len(self.sim.nodes)))
+
+    def __len__(self) -> int:
+        return len(self.sim.nodes) - self.first
 
 
 def _noop() -> None:

@@ -1,0 +1,59 @@
+"""Simulator speed: simulated turns per wall-clock second.
+
+Runs DeepSeek-V3.2 on 2P4D (h800-deepseek), Table-2 64K trajectories, offline, in `dualpath`
+mode and, as the in-process baseline, in `oracle` mode (no I/O flows: what the event loop,
+scheduler calls and decode epochs cost alone). Reports medians over repeats.
+
+    python benchmarks/bench_sim.py [--agents 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from dualpath.core.cluster import ClusterSpec
+from dualpath.core.hardware import hardware_preset
+from dualpath.core.model import model_preset
+from dualpath.sim import Driver, SimConfig, simulate
+from dualpath.sim.workload import agent_workload
+
+
+def _turns_per_s(cfg: SimConfig) -> tuple[float, float, int]:
+    started = time.perf_counter()
+    result = simulate(cfg)
+    wall = time.perf_counter() - started
+    return result.num_completed / wall, wall, result.num_completed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-nodes", type=int, default=2)
+    ap.add_argument("--decode-nodes", type=int, default=4)
+    args = ap.parse_args()
+    cluster = ClusterSpec(hardware_preset("h800-deepseek"), model_preset("deepseek-v3.2"),
+                          args.prefill_nodes, args.decode_nodes)
+    workload = agent_workload("64k", args.agents)
+    base = SimConfig(cluster, workload, driver=Driver(num_agents=args.agents))
+    print(f"{cluster.label}, deepseek-v3.2, 64K, {args.agents} agents, "
+          f"{workload.num_turns} turns, {args.repeats} repeats")
+    rates: dict[str, list[float]] = {}
+    walls: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for mode in ("oracle", "dualpath"):
+            rate, wall, _n = _turns_per_s(base.with_mode(mode))
+            rates.setdefault(mode, []).append(rate)
+            walls.setdefault(mode, []).append(wall)
+    for mode in ("oracle", "dualpath"):
+        print(f"  {mode:<9} median {statistics.median(rates[mode]):>9,.0f} turns/s "
+              f"(wall median {statistics.median(walls[mode]):.2f} s)")
+    ratio = statistics.median(rates["dualpath"]) / statistics.median(rates["oracle"])
+    print(f"  dualpath / oracle speed ratio: {ratio:.2f} (the cost of simulating I/O flows)")
+    print("  goal: >= 20,000 turns/s")
+
+
+if __name__ == "__main__":
+    main()
