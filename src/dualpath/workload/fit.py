@@ -85,9 +85,12 @@ def _objective(
 
 def nelder_mead(
     f: Callable[[FloatArray], float], x0: FloatArray, step: float = 0.2, max_iter: int = 400,
-    tol: float = 1e-8,
+    tol: float = 1e-8, on_iteration: Callable[[float], None] | None = None,
 ) -> FloatArray:
-    """Minimize `f` from `x0` with the standard Nelder-Mead simplex (deterministic)."""
+    """Minimize `f` from `x0` with the standard Nelder-Mead simplex (deterministic).
+
+    `on_iteration(best_value)` is called after every iteration (progress reporting).
+    """
     dim = len(x0)
     simplex = [x0.astype(np.float64)]
     for i in range(dim):
@@ -99,6 +102,8 @@ def nelder_mead(
         order = np.argsort(values)
         simplex = [simplex[i] for i in order]
         values = [values[i] for i in order]
+        if on_iteration is not None:
+            on_iteration(values[0])
         if values[-1] - values[0] < tol:
             break
         centroid = np.mean(simplex[:-1], axis=0)
@@ -125,7 +130,7 @@ def nelder_mead(
 
 def fit_params(
     target: Table2Row, seeds: tuple[int, ...] = (0, 1, 2), num_trajectories: int = 500,
-    max_iter: int = 400,
+    max_iter: int = 400, on_iteration: Callable[[float], None] | None = None,
 ) -> SyntheticParams:
     """Generator parameters whose output best matches `target` on average over `seeds`.
 
@@ -140,5 +145,6 @@ def fit_params(
     ])
     if not seeds:
         positive_int("fit_params", "len(seeds)", 0)
-    best = nelder_mead(_objective(target, seeds, num_trajectories), x0, max_iter=max_iter)
+    best = nelder_mead(_objective(target, seeds, num_trajectories), x0, max_iter=max_iter,
+                       on_iteration=on_iteration)
     return _params(best, target, num_trajectories)

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
+from dualpath.core.validate import positive_int
 from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.fit import fit_params
 from dualpath.workload.jsonl import (
@@ -144,9 +146,16 @@ def _fit_target(text: str) -> Table2Row:
 def run_generate(args: argparse.Namespace) -> int:
     if args.fit is not None:
         target = _fit_target(args.fit)
-        print(f"fitting the generator to {args.fit} ...", file=sys.stderr)
-        params = fit_params(target, num_trajectories=args.num_trajectories,
-                            max_iter=args.fit_iterations)
+        positive_int("trace generate", "--fit-iterations", args.fit_iterations)
+        with tqdm(total=args.fit_iterations, desc="fitting", unit="it", file=sys.stderr,
+                  leave=False) as bar:
+
+            def tick(best: float) -> None:
+                bar.set_postfix(loss=f"{best:.2e}", refresh=False)
+                bar.update()
+
+            params = fit_params(target, num_trajectories=args.num_trajectories,
+                                max_iter=args.fit_iterations, on_iteration=tick)
         name = f"fit-{target.max_len_tokens}"
     else:
         params = preset(args.preset).with_num_trajectories(args.num_trajectories)
