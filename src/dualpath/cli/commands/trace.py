@@ -1,7 +1,8 @@
 """`dualpath trace generate | stats | convert`: agent workloads and request traces.
 
 generate  writes Table 2 synthetic trajectories (JSONL format v1, `workload.jsonl`) to --out
-          (default: stdout), optionally scaled, truncated at a MAL and expanded to more agents.
+          (default: stdout), optionally scaled, truncated at a MAL and expanded to more agents;
+          --fit MAXLEN,TURNS,APPEND,GEN,TOTAL,CONTEXT fits the generator to your own row.
 stats     reads a trajectory file or a Mooncake trace (auto-detected; `-` is stdin) and prints
           Table 2's columns and the hit rate (or, for Mooncake, its request statistics and block
           reuse with an unbounded cache); --json for machine-readable output, --plot for a PNG.
