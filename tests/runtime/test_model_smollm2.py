@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,14 +34,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Converted once per session: into $DUALPATH_CACHE when set (reused across runs), else a
-    temp folder."""
-    cache = os.environ.get("DUALPATH_CACHE") or tmp_path_factory.mktemp("dualpath-cache")
-    return smollm2_folder(cache)
 
 
 @pytest.fixture(scope="module")
