@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Converted model weights (SmolLM2 GGUF -> safetensors) are cached here once per checkout.
+export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
+# Torch on this 2-core machine is fastest with one intra-op thread per process.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: run test bench lint typecheck contracts unit clean setup
 
