@@ -96,3 +96,31 @@ def lines(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def stacked_bars(
+    path: Path,
+    categories: Sequence[str],
+    parts: Mapping[str, Sequence[float]],
+    ylabel: str,
+    title: str,
+    xlabel: str = "",
+) -> Path:
+    """One stacked bar per category, one segment per part (e.g. the TTFT components)."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(categories) + 2), 4.0))
+    bottom = [0.0] * len(categories)
+    for name, values in parts.items():
+        ax.bar(range(len(categories)), values, 0.6, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

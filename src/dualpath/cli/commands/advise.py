@@ -1,0 +1,100 @@
+"""`dualpath advise`: sweep P/D and modes in the simulator, recommend the best SLO capacity per
+GPU, with the runner-up and each configuration's bottleneck."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from dualpath.core.errors import DualPathError
+from dualpath.experiments.extensions import advise
+from dualpath.experiments.report import Context, section_markdown
+from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.setups import HARDWARE, SETUPS
+from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
+
+
+class AdviseArgsError(DualPathError, ValueError):
+    """A bad `dualpath advise` option."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "advise",
+        help="recommend a P/D ratio and mode for a model, hardware and trace (simulated)",
+        description=(
+            "For each P/D and mode, find the highest agent arrival rate (APS) that meets the "
+            "SLO (mean TTFT <= 4 s, mean TPOT <= 50 ms) in online simulations; rank by APS per "
+            "GPU; print the recommendation, the runner-up and each configuration's bottleneck."
+        ),
+    )
+    p.add_argument("--model", default="ds-27b", help="model preset (default: %(default)s)")
+    p.add_argument("--hardware", default=HARDWARE, help="node preset (default: %(default)s)")
+    p.add_argument("--trace", default="64k", choices=("32k", "48k", "64k"),
+                   help="Table-2 trace (default: %(default)s)")
+    p.add_argument("--pd", default="1P1D,2P1D,1P2D", metavar="LIST",
+                   help="P/D configurations in nodes, e.g. 1P1D,2P1D (default: %(default)s)")
+    p.add_argument("--modes", default="basic,dualpath", metavar="LIST",
+                   help=f"modes to compare: {', '.join(MODE_PRESETS)} (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2, help="bisection steps (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="900 s simulated runs instead of 2,400")
+    p.add_argument("--duration", type=float, default=0.0, metavar="S",
+                   help="simulated seconds per online run (default: 900 quick, 2,400 full)")
+    p.add_argument("--out", type=Path, default=Path("advise_out"),
+                   help="folder for advise.csv and advise.md (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+_PD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+
+
+def parse_pd(text: str) -> list[tuple[int, int]]:
+    """`1P1D,2P1D` -> [(1, 1), (2, 1)]; errors name the bad item."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        m = _PD.match(item)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise AdviseArgsError(f"--pd item {item!r}: expected like 2P4D with P, D >= 1")
+        out.append((int(m.group(1)), int(m.group(2))))
+    if not out:
+        raise AdviseArgsError("--pd: no configurations given")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    pds = parse_pd(args.pd)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        mode_preset(m)
+    if args.steps < 0:
+        raise AdviseArgsError(f"--steps={args.steps}: must be >= 0")
+    known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
+    name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
+
+    def on_run(spec: RunSpec, res: SimResult, wall: float) -> None:
+        print(f"  {spec.num_prefill_nodes}P{spec.num_decode_nodes}D {spec.mode:<9} "
+              f"{spec.aps:.3f} APS: {res.num_completed} turns, {res.stop_reason}, "
+              f"{wall:.1f} s wall", file=sys.stderr, flush=True)
+
+    if args.duration < 0:
+        raise AdviseArgsError(f"--duration={args.duration}: must be >= 0")
+    ctx = Context(args.out, Runner(on_run=on_run), args.quick, mals=(args.trace,),
+                  online_duration_s=args.duration)
+    cands, section = advise(ctx, name, pds, modes, args.steps)
+    md = ctx.path("advise.md")
+    md.write_text(section_markdown(section, ctx.out_dir) + "\n", encoding="utf-8")
+    best = cands[0]
+    print(f"recommended: {best.label}: {best.capacity_aps:.3f} APS under the SLO on "
+          f"{best.num_gpus} GPUs ({1e3 * best.aps_per_gpu:.2f} mAPS/GPU); bottleneck: "
+          f"{best.bottleneck}")
+    if len(cands) > 1:
+        r = cands[1]
+        print(f"runner-up:   {r.label}: {r.capacity_aps:.3f} APS on {r.num_gpus} GPUs "
+              f"({1e3 * r.aps_per_gpu:.2f} mAPS/GPU); bottleneck: {r.bottleneck}")
+    for c in cands[2:]:
+        print(f"             {c.label}: {c.capacity_aps:.3f} APS ({1e3 * c.aps_per_gpu:.2f} "
+              f"mAPS/GPU); bottleneck: {c.bottleneck}")
+    print(f"wrote {md} and {ctx.path('advise.csv')}")
+    return 0

@@ -1,0 +1,135 @@
+"""`dualpath reproduce`: run the paper's experiments in the simulator; write CSV, PNG, markdown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dualpath.core.errors import DualPathError
+from dualpath.experiments.calibrate import (
+    CALIBRATION_CELLS,
+    FIT_RECORD,
+    calibrate_setup,
+    calibration_to_json,
+    write_fitted,
+)
+from dualpath.experiments.registry import ALIASES, EXPERIMENTS, resolve, run_experiments
+from dualpath.experiments.report import Context, section_markdown
+from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.sim import SimResult
+
+
+class ReproduceArgsError(DualPathError, ValueError):
+    """A bad combination of `dualpath reproduce` options."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "reproduce",
+        help="reproduce the paper's figures and tables with the simulator",
+        description=(
+            "Run the paper's experiments in the simulator and write CSV, PNG and a markdown "
+            "section per experiment into --out; `all` also writes the full report. "
+            f"Experiments: {', '.join(EXPERIMENTS)} (aliases: {', '.join(ALIASES)}), all; "
+            "`calibrate` fits the cost coefficients to the paper's Fig. 7 Oracle JCTs."
+        ),
+    )
+    p.add_argument("experiments", nargs="+", metavar="EXPERIMENT",
+                   help="experiment names, `all`, or `calibrate`")
+    p.add_argument("--quick", action="store_true",
+                   help="scaled-down runs, same shapes (all of them in under 10 minutes)")
+    p.add_argument("--out", type=Path, default=Path("docs/figures"),
+                   help="folder for CSV, PNG and markdown sections (default: %(default)s)")
+    p.add_argument("--report", type=Path, metavar="PATH",
+                   help="write the assembled report here (default for `all`: "
+                   "docs/reproduction.md)")
+    p.add_argument("--agents", metavar="N,N", help="override agent counts (offline experiments)")
+    p.add_argument("--mal", metavar="32k,64k", help="override MAL columns")
+    p.add_argument("--setups", metavar="NAME,NAME",
+                   help="override setups: ds660b_2p4d, ds27b_1p1d, qwen32b_1p2d")
+    p.add_argument("--write", action="store_true",
+                   help="calibrate: store the fitted coefficients in the packaged cost file")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    p.set_defaults(func=run)
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
+
+
+def _logger(quiet: bool) -> Runner:
+    def on_run(spec: RunSpec, res: SimResult, wall: float) -> None:
+        if not quiet:
+            what = f"{spec.aps:g} APS" if spec.is_online else f"{spec.num_agents} agents"
+            pd = (f" {spec.num_prefill_nodes}P{spec.num_decode_nodes}D"
+                  if spec.num_prefill_nodes else "")
+            print(f"  {spec.setup}{pd} {spec.mode:<9} {what:>11} {spec.mal}: "
+                  f"JCT {res.jct_s:,.0f} s, {res.num_completed} turns, {wall:.1f} s wall",
+                  file=sys.stderr, flush=True)
+
+    return Runner(on_run=on_run)
+
+
+def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
+    if args.quick and args.write:
+        raise ReproduceArgsError("--write with --quick: a scaled-down fit must not replace the "
+                                 "packaged coefficients")
+    record_path = ctx.path(FIT_RECORD)
+    records = (json.loads(record_path.read_text(encoding="utf-8"))
+               if record_path.exists() and not args.quick else {})
+    for name in ctx.setups or tuple(CALIBRATION_CELLS):
+        if name not in CALIBRATION_CELLS:
+            raise ReproduceArgsError(f"--setups={name}: calibration needs paper Oracle values; "
+                                     f"valid: {', '.join(CALIBRATION_CELLS)}")
+        started = time.perf_counter()
+        cal = calibrate_setup(ctx.runner, name, CALIBRATION_CELLS[name],
+                              num_iters=1 if args.quick else 2,
+                              agent_divisor=8 if args.quick else 1)
+        wall = time.perf_counter() - started
+        records[name] = calibration_to_json(cal, wall)
+        print(f"{name}: prefill_scale {cal.prefill_scale:.3f}, overhead_scale "
+              f"{cal.overhead_scale:.3f}, RMS log residual {cal.rms_log_before:.3f} -> "
+              f"{cal.rms_log_after:.3f} ({cal.num_evals} evaluations, {wall:.0f} s)")
+        for c in cal.cells:
+            print(f"  {c.agents:>5} agents {c.mal}: paper {c.paper_s:,.0f} s, before "
+                  f"{c.before_s:,.0f} s, after {c.after_s:,.0f} s ({100 * c.residual:+.1f}%)")
+        if args.write:
+            note = (f"fitted to paper Fig. 7 {name} Oracle JCTs at (agents, MAL) "
+                    f"{list(CALIBRATION_CELLS[name])} by `dualpath reproduce calibrate --write`: "
+                    f"prefill_scale {cal.prefill_scale:.3f}, overhead_scale "
+                    f"{cal.overhead_scale:.3f} on the prior values; residuals "
+                    + ", ".join(f"{100 * c.residual:+.1f}%" for c in cal.cells))
+            print(f"  wrote {write_fitted(cal, note)}")
+    if not args.quick:
+        record_path.write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    ctx = Context(args.out, _logger(args.quiet), args.quick, tuple(int(a) for a in
+                  _csv(args.agents)), _csv(args.mal), _csv(args.setups))
+    if "calibrate" in args.experiments:
+        if len(args.experiments) > 1:
+            raise ReproduceArgsError("`calibrate` runs alone")
+        return _calibrate(args, ctx)
+    keys = resolve(args.experiments)
+    report = args.report
+    if report is None and "all" in args.experiments:
+        report = Path("docs/reproduction.md")
+    command = "dualpath reproduce " + " ".join(
+        a for a in sys.argv[2:] if a) if sys.argv[1:2] == ["reproduce"] else "dualpath reproduce"
+    sections = run_experiments(
+        ctx, keys, report, command,
+        progress=None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)),
+    )
+    for s in sections:
+        path = ctx.path(f"section_{s.key}.md")
+        path.write_text(section_markdown(s, ctx.out_dir) + "\n", encoding="utf-8")
+        print(f"{s.key}: {len(s.files)} files, {path} ({s.wall_s:.0f} s)")
+    if report is not None:
+        print(f"report: {report}")
+    print(f"simulated {len(ctx.runner.log)} runs in {ctx.runner.wall_s:.0f} s wall")
+    return 0

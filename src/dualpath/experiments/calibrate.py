@@ -1,0 +1,288 @@
+"""Fit the cost-model coefficients so that simulated Oracle JCTs match the paper's Fig. 7 Oracle
+values; Basic and DualPath are then predicted, never fitted.
+
+Two free parameters per model, both multiplicative on the packaged coefficients:
+`prefill_scale` multiplies `attention_efficiency` and `linear_efficiency` (prefill speed) and
+`overhead_scale` multiplies the fixed per-layer, per-MoE-layer and per-step overheads. The
+overheads, not HBM efficiency, are the knob for decode: a decode step of these models at the
+batch sizes of Fig. 7 is mostly fixed cost (DS 27B: ~3.5 of ~5 ms), so an efficiency knob would
+need absurd values to move the JCT. Oracle bypasses all I/O, so its JCT depends only on these
+GPU costs and the scheduler. The fit is Levenberg-damped
+Gauss-Newton on log residuals `ln(sim / paper)` with forward-difference Jacobians: a handful of
+simulator evaluations, each a batch of Oracle runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from dualpath.core.errors import DualPathError
+from dualpath.experiments.paper import fig7_point
+from dualpath.experiments.report import Context, Section, fmt, md_table, write_csv
+from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.setups import HARDWARE, setup
+from dualpath.sched.cost import CostCoefficients, default_cost_file, load_cost_coefficients
+
+PARAMS = ("prefill_scale", "overhead_scale")
+
+
+class CalibrationError(DualPathError, ValueError):
+    """A calibration that cannot run (no paper values for the requested cells)."""
+
+
+@dataclass(frozen=True)
+class FitTrace:
+    """Outcome of `fit_log_least_squares`."""
+
+    x: tuple[float, ...]
+    """Best log-parameters found."""
+    residuals: tuple[float, ...]
+    """Log residuals at `x`."""
+    initial_residuals: tuple[float, ...]
+    num_evals: int
+
+    @property
+    def rms(self) -> float:
+        return _rms(self.residuals)
+
+    @property
+    def initial_rms(self) -> float:
+        return _rms(self.initial_residuals)
+
+
+def _rms(r: Sequence[float]) -> float:
+    return math.sqrt(sum(v * v for v in r) / len(r)) if r else 0.0
+
+
+def fit_log_least_squares(
+    evaluate: Callable[[Sequence[float]], Sequence[float]],
+    targets: Sequence[float],
+    x0: Sequence[float],
+    upper: Sequence[float],
+    *,
+    step: float = 0.15,
+    num_iters: int = 2,
+) -> FitTrace:
+    """Minimize sum of `ln(evaluate(x)_i / targets_i)^2` over log-parameters `x <= upper`.
+
+    `evaluate` maps log-parameters to positive predictions, one per target. Each iteration costs
+    `len(x) + 1` evaluations; a step that does not lower the cost is halved once, then dropped.
+    """
+    t = np.log(np.asarray(targets, dtype=np.float64))
+    ub = np.asarray(upper, dtype=np.float64)
+    num_evals = 0
+
+    def resid(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        nonlocal num_evals
+        num_evals += 1
+        pred = np.asarray(evaluate(x.tolist()), dtype=np.float64)
+        out: npt.NDArray[np.float64] = np.log(pred) - t
+        return out
+
+    x = np.minimum(np.asarray(x0, dtype=np.float64), ub)
+    r = resid(x)
+    r0 = r.copy()
+    for _ in range(num_iters):
+        jac = np.zeros((len(r), len(x)))
+        for j in range(len(x)):
+            # Step downward when at the upper bound so the probe stays feasible.
+            h = step if x[j] + step <= ub[j] else -step
+            xj = x.copy()
+            xj[j] += h
+            jac[:, j] = (resid(xj) - r) / h
+        jtj = jac.T @ jac
+        damping = 1e-3 * float(np.trace(jtj)) + 1e-12
+        delta = np.linalg.solve(jtj + damping * np.eye(len(x)), -jac.T @ r)
+        for scale in (1.0, 0.5):
+            cand = np.minimum(x + scale * delta, ub)
+            rc = resid(cand)
+            if float(rc @ rc) < float(r @ r):
+                x, r = cand, rc
+                break
+    return FitTrace(tuple(x.tolist()), tuple(r.tolist()), tuple(r0.tolist()), num_evals)
+
+
+def scaled_overrides(
+    base: CostCoefficients, prefill_scale: float, overhead_scale: float
+) -> tuple[tuple[str, float], ...]:
+    """Cost overrides for the two calibration parameters (efficiencies capped at 1)."""
+    return (
+        ("attention_efficiency", min(1.0, base.attention_efficiency * prefill_scale)),
+        ("linear_efficiency", min(1.0, base.linear_efficiency * prefill_scale)),
+        ("per_layer_overhead_s", base.per_layer_overhead_s * overhead_scale),
+        ("moe_layer_overhead_s", base.moe_layer_overhead_s * overhead_scale),
+        ("per_step_overhead_s", base.per_step_overhead_s * overhead_scale),
+    )
+
+
+@dataclass(frozen=True)
+class CellFit:
+    """One calibration cell: paper Oracle JCT, simulated before and after the fit."""
+
+    agents: int
+    mal: str
+    paper_s: float
+    before_s: float
+    after_s: float
+
+    @property
+    def residual(self) -> float:
+        """Relative residual after the fit, (sim - paper) / paper."""
+        return self.after_s / self.paper_s - 1.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted setup: the scales, the resulting coefficients and per-cell residuals."""
+
+    setup: str
+    model: str
+    prefill_scale: float
+    overhead_scale: float
+    base: CostCoefficients
+    fitted: CostCoefficients
+    cells: tuple[CellFit, ...]
+    num_evals: int
+    rms_log_before: float
+    rms_log_after: float
+
+
+def calibrate_setup(
+    runner: Runner, setup_name: str, cells: Sequence[tuple[int, str]],
+    *, num_iters: int = 2, agent_divisor: int = 1,
+) -> Calibration:
+    """Fit `setup_name`'s model to the paper's Fig. 7 Oracle JCTs at `cells` (agents, MAL).
+
+    `agent_divisor > 1` runs every cell with that many times fewer agents against the same
+    paper value (a quick smoke run; its fit is not meaningful for the paper's sizes).
+    """
+    s = setup(setup_name)
+    base = load_cost_coefficients(s.model, HARDWARE)
+    targets = []
+    for agents, mal in cells:
+        p = fig7_point(setup_name, agents, mal)
+        if p is None or "oracle" not in p.jct_s:
+            raise CalibrationError(f"no Fig. 7 Oracle value for {setup_name} {agents} agents {mal}")
+        targets.append(p.jct_s["oracle"])
+
+    def specs(x: Sequence[float]) -> list[RunSpec]:
+        ov = scaled_overrides(base, math.exp(x[0]), math.exp(x[1]))
+        return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
+                for a, mal in cells]
+
+    def evaluate(x: Sequence[float]) -> list[float]:
+        return [runner.run(sp).jct_s for sp in specs(x)]
+
+    upper = (-math.log(max(base.attention_efficiency, base.linear_efficiency)), math.log(100.0))
+    trace = fit_log_least_squares(evaluate, targets, (0.0, 0.0), upper, num_iters=num_iters)
+    before = evaluate((0.0, 0.0))
+    after = evaluate(trace.x)
+    p_scale, o_scale = (math.exp(v) for v in trace.x)
+    fitted = replace(base, **dict(scaled_overrides(base, p_scale, o_scale)))  # type: ignore[arg-type]
+    out_cells = tuple(
+        CellFit(a, mal, tgt, b, f)
+        for (a, mal), tgt, b, f in zip(cells, targets, before, after, strict=True)
+    )
+    return Calibration(setup_name, s.model, p_scale, o_scale, base, fitted, out_cells,
+                       trace.num_evals, trace.initial_rms, trace.rms)
+
+
+def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:
+    """Replace the efficiencies of `cal.model`'s entry in the cost file, keeping its other
+    fields, and record the fit in its `source` note."""
+    p = path or default_cost_file()
+    doc = json.loads(p.read_text(encoding="utf-8"))
+    for entry in doc["entries"]:
+        if entry.get("model") == cal.model and entry.get("hardware") == "*":
+            entry["attention_efficiency"] = round(cal.fitted.attention_efficiency, 4)
+            entry["linear_efficiency"] = round(cal.fitted.linear_efficiency, 4)
+            for name in ("per_layer_overhead_s", "moe_layer_overhead_s", "per_step_overhead_s"):
+                entry[name] = float(f"{getattr(cal.fitted, name):.4g}")
+            prior = entry.get("source", "").split(" || prior: ")[-1]
+            entry["source"] = f"{note} || prior: {prior}"
+            break
+    else:
+        raise CalibrationError(f"{p}: no entry for model {cal.model!r} with hardware '*'")
+    p.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return p
+
+
+CALIBRATION_CELLS: dict[str, tuple[tuple[int, str], ...]] = {
+    "ds660b_2p4d": ((512, "32k"), (512, "64k"), (1024, "64k")),
+    "ds27b_1p1d": ((512, "32k"), (512, "64k"), (1024, "64k")),
+}
+"""Fig. 7 Oracle cells the fit uses; the larger agent counts stay out of sample."""
+
+FIT_RECORD = "calibration.json"
+
+
+def calibration_to_json(cal: Calibration, wall_s: float) -> dict[str, object]:
+    """A JSON-ready record of a fit (what `reproduce calibrate` stores next to its figures)."""
+    d = asdict(cal)
+    d["wall_s"] = wall_s
+    return d
+
+
+def calibration_section(ctx: Context) -> Section:
+    """Residuals of the packaged (fitted) coefficients against the paper's Fig. 7 Oracle JCTs,
+    and the record of the fit that produced them, if `reproduce calibrate` stored one."""
+    started = time.perf_counter()
+    record_path = ctx.path(FIT_RECORD)
+    records: dict[str, dict[str, object]] = (
+        json.loads(record_path.read_text(encoding="utf-8")) if record_path.exists() else {}
+    )
+    rows: list[list[object]] = []
+    tab = []
+    for name, cells in CALIBRATION_CELLS.items():
+        use = [c for c in cells if c[0] <= 512] if ctx.is_quick else list(cells)
+        for agents, mal in use:
+            p = fig7_point(name, agents, mal)
+            assert p is not None
+            sim = ctx.runner.run(RunSpec(name, "oracle", agents, mal)).jct_s
+            paper = p.jct_s["oracle"]
+            rows.append([name, agents, mal, sim, paper, sim / paper - 1.0])
+            tab.append([setup(name).label, agents, mal, fmt(sim), fmt(paper),
+                        f"{100 * (sim / paper - 1):+.1f}%"])
+    csvp = write_csv(ctx.path("calibration.csv"),
+                     ["setup", "agents", "mal", "sim_oracle_jct_s", "paper_oracle_jct_s",
+                      "residual"], rows)
+    body = ["Two parameters per model, fitted to Fig. 7 Oracle JCTs only (`dualpath reproduce "
+            "calibrate --write`): `prefill_scale` multiplies the attention and linear "
+            "efficiencies, `overhead_scale` the fixed per-layer, per-MoE-layer and per-step "
+            "overheads, of the packaged "
+            "coefficients (`src/dualpath/data/cost_coefficients.json`, whose `source` notes "
+            "record the fit). Basic and DualPath are predictions.", ""]
+    for name, rec in records.items():
+        cells_rec = rec.get("cells", [])
+        assert isinstance(cells_rec, list)
+        fitted = rec.get("fitted", {})
+        assert isinstance(fitted, dict)
+        body += [f"**Fit record, {setup(name).label}:** prefill_scale "
+                 f"{float(str(rec['prefill_scale'])):.3f}, overhead_scale "
+                 f"{float(str(rec['overhead_scale'])):.3f} -> attention_efficiency "
+                 f"{fitted.get('attention_efficiency', 0):.3f}, linear_efficiency "
+                 f"{fitted.get('linear_efficiency', 0):.3f}, per-step/layer/MoE-layer overheads "
+                 f"{1e6 * fitted.get('per_step_overhead_s', 0):.0f}/"
+                 f"{1e6 * fitted.get('per_layer_overhead_s', 0):.0f}/"
+                 f"{1e6 * fitted.get('moe_layer_overhead_s', 0):.0f} us; RMS log residual "
+                 f"{float(str(rec['rms_log_before'])):.3f} -> "
+                 f"{float(str(rec['rms_log_after'])):.3f} in {rec['num_evals']} evaluations, "
+                 f"{float(str(rec['wall_s'])):.0f} s wall.", ""]
+        body.append(md_table(
+            ["agents", "MAL", "paper Oracle s", "before fit s", "after fit s", "residual"],
+            [[c["agents"], c["mal"], fmt(c["paper_s"]), fmt(c["before_s"]), fmt(c["after_s"]),
+              f"{100 * (c['after_s'] / c['paper_s'] - 1):+.1f}%"] for c in cells_rec]))
+        body.append("")
+    body += ["Residuals of the packaged coefficients now (Oracle, simulated vs paper):", "",
+             md_table(["setup", "agents", "MAL", "sim Oracle s", "paper Oracle s", "residual"],
+                      tab)]
+    return Section("calibration", "Calibration: Oracle JCT fit to Fig. 7", "\n".join(body),
+                   (csvp,), time.perf_counter() - started, ctx.scale)

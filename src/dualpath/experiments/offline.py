@@ -1,0 +1,222 @@
+"""Offline experiments (n agents start together; JCT when all finish): Fig. 7, Fig. 8, Fig. 9,
+the Fig. 12 ablation, Figs. 13-14 balance and Table 3 (offline half)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from dualpath.experiments import plots
+from dualpath.experiments.paper import CLAIMS, SYSTEMS, fig7_point
+from dualpath.experiments.report import Context, Section, fmt, md_table, write_csv
+from dualpath.experiments.runner import RunSpec
+from dualpath.experiments.setups import setup
+
+FIG7_SETUPS = ("ds660b_2p4d", "ds27b_1p1d", "qwen32b_1p2d")
+PAPER_AGENTS = (512, 1024, 2048, 4096)
+
+
+def _pick(override: Sequence[str] | Sequence[int], default: Sequence[object]) -> list[object]:
+    return list(override) if override else list(default)
+
+
+def fig7(ctx: Context) -> Section:
+    """Fig. 7: offline JCT vs agents x MAL, Oracle / DualPath / Basic, side by side with the
+    paper's values, and the DualPath/Basic and DualPath/Oracle ratios."""
+    started = time.perf_counter()
+    setups = [str(s) for s in _pick(ctx.setups, FIG7_SETUPS)]
+    agents = [int(str(a)) for a in _pick(ctx.agents, (512,) if ctx.is_quick else PAPER_AGENTS)]
+    mals = [str(m) for m in _pick(ctx.mals, ("32k", "64k") if ctx.is_quick
+                                  else ("32k", "48k", "64k"))]
+    rows: list[list[object]] = []
+    files = []
+    body = [f"**Paper:** {CLAIMS['fig7']}", ""]
+    for name in setups:
+        cats: list[str] = []
+        sim: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        pap: dict[str, list[float | None]] = {s: [] for s in SYSTEMS}
+        table = []
+        for mal in mals:
+            for n in agents:
+                res = {m: ctx.runner.run(RunSpec(name, m, n, mal)).jct_s for m in SYSTEMS}
+                p = fig7_point(name, n, mal)
+                paper = {m: (p.jct_s.get(m) if p else None) for m in SYSTEMS}
+                cats.append(f"{n}\n{mal}")
+                for m in SYSTEMS:
+                    sim[m].append(res[m])
+                    pap[m].append(paper[m])
+                    rows.append([name, n, mal, m, res[m], paper[m] if paper[m] else ""])
+                sp = res["basic"] / res["dualpath"]
+                gap = res["dualpath"] / res["oracle"]
+                psp = (paper["basic"] / paper["dualpath"]
+                       if paper["basic"] and paper["dualpath"] else None)
+                pgap = (paper["dualpath"] / paper["oracle"]
+                        if paper["oracle"] and paper["dualpath"] else None)
+                table.append([n, mal] + [f"{fmt(res[m])} / {fmt(paper[m])}" for m in SYSTEMS]
+                             + [f"{sp:.2f}x / {fmt(psp, 2)}x", f"{gap:.2f}x / {fmt(pgap, 2)}x"])
+        png = plots.grouped_bars(
+            ctx.path(f"fig7_{name}.png"), cats, sim, "JCT (s)",
+            f"Fig. 7 offline JCT, {setup(name).label}", paper=pap, xlabel="agents / MAL",
+        )
+        files.append(png)
+        body += [f"### {setup(name).label}", "",
+                 "Each cell: simulated / paper (s). Speedup = Basic/DualPath; gap = "
+                 "DualPath/Oracle.", "",
+                 md_table(["agents", "MAL", "Oracle", "DualPath", "Basic", "speedup",
+                           "gap to Oracle"], table), ""]
+    files.insert(0, write_csv(ctx.path("fig7.csv"),
+                              ["setup", "agents", "mal", "mode", "sim_jct_s", "paper_jct_s"], rows))
+    return Section("fig7", "Fig. 7: offline JCT", "\n".join(body), tuple(files),
+                   time.perf_counter() - started, ctx.scale)
+
+
+def fig8(ctx: Context) -> Section:
+    """Fig. 8: P/D ratios 1P1D, 2P1D, 1P2D on DS 27B, Basic vs DualPath."""
+    started = time.perf_counter()
+    pds = ((1, 1), (2, 1), (1, 2))
+    agents = [int(str(a)) for a in _pick(ctx.agents, (512,) if ctx.is_quick
+                                         else (512, 1024, 2048))]
+    mals = [str(m) for m in _pick(ctx.mals, ("64k",) if ctx.is_quick else ("32k", "48k", "64k"))]
+    rows: list[list[object]] = []
+    cats: list[str] = []
+    series: dict[str, list[float]] = {}
+    speedups = []
+    for mal in mals:
+        for n in agents:
+            cats.append(f"{n}\n{mal}")
+            for p, d in pds:
+                jct = {}
+                for m in ("basic", "dualpath"):
+                    r = ctx.runner.run(RunSpec("ds27b_1p1d", m, n, mal, num_prefill_nodes=p,
+                                               num_decode_nodes=d))
+                    jct[m] = r.jct_s
+                    series.setdefault(f"{m} {p}P{d}D", []).append(r.jct_s)
+                    rows.append([f"{p}P{d}D", n, mal, m, r.jct_s])
+                speedups.append(jct["basic"] / jct["dualpath"])
+    png = plots.grouped_bars(ctx.path("fig8.png"), cats, series, "JCT (s)",
+                             "Fig. 8 P/D ratio, DS 27B offline", xlabel="agents / MAL")
+    csvp = write_csv(ctx.path("fig8.csv"), ["pd", "agents", "mal", "mode", "sim_jct_s"], rows)
+    tab = [[r[0], r[1], r[2], r[3], fmt(float(str(r[4])))] for r in rows]
+    body = (f"**Paper:** {CLAIMS['fig8']}\n\n"
+            f"Simulated DualPath/Basic speedup: mean {sum(speedups) / len(speedups):.2f}x, "
+            f"max {max(speedups):.2f}x over {len(speedups)} (agents, MAL, P/D) points.\n\n"
+            + md_table(["P/D", "agents", "MAL", "mode", "JCT s"], tab))
+    return Section("fig8", "Fig. 8: P/D ratio (DS 27B)", body, (csvp, png),
+                   time.perf_counter() - started, ctx.scale)
+
+
+def fig9(ctx: Context) -> Section:
+    """Fig. 9: append- and generation-length scaling on DS 660B 2P4D at 64K MAL."""
+    started = time.perf_counter()
+    n = int(ctx.agents[0]) if ctx.agents else (128 if ctx.is_quick else 1024)
+    name = "ds660b_2p4d"
+    factors = (0.5, 1.0, 2.0, 4.0) if not ctx.is_quick else (0.5, 1.0, 2.0)
+    rows: list[list[object]] = []
+    files = []
+    body = [f"**Paper:** {CLAIMS['fig9']}", "", f"{setup(name).label}, 64K MAL, {n} agents.", ""]
+    for kind in ("append", "gen"):
+        series: dict[str, list[float | None]] = {m: [] for m in SYSTEMS}
+        tab = []
+        for f in factors:
+            spec = {"append_factor": f} if kind == "append" else {"gen_factor": f}
+            jct = {m: ctx.runner.run(RunSpec(name, m, n, "64k", **spec)).jct_s  # type: ignore[arg-type]
+                   for m in SYSTEMS}
+            for m in SYSTEMS:
+                series[m].append(jct[m])
+                rows.append([kind, f, m, jct[m]])
+            tab.append([f"{f:g}x"] + [fmt(jct[m]) for m in SYSTEMS]
+                       + [f"{jct['basic'] / jct['dualpath']:.2f}x"])
+        files.append(plots.lines(ctx.path(f"fig9_{kind}.png"), list(factors), series,
+                                 f"{kind} length scale factor (x Table 2)", "JCT (s)",
+                                 f"Fig. 9 {kind}-length scaling, {setup(name).label}, {n} agents"))
+        body += [f"### {kind} length", "",
+                 md_table([f"{kind} scale", "Oracle s", "DualPath s", "Basic s", "speedup"], tab),
+                 ""]
+    files.insert(0, write_csv(ctx.path("fig9.csv"), ["kind", "factor", "mode", "sim_jct_s"],
+                              rows))
+    return Section("fig9", "Fig. 9: append and generation length", "\n".join(body), tuple(files),
+                   time.perf_counter() - started, ctx.scale)
+
+
+ABLATION = ("basic", "layerwise", "dual-path", "dualpath")
+PAPER_ABLATION_REDUCTION = {"layerwise": 17.21, "dual-path": 38.19, "dualpath": 45.62}
+
+
+def ablation(ctx: Context) -> Section:
+    """Fig. 12 right: basic -> +layerwise -> +dual-path -> +scheduling, and Figs. 13-14: the
+    storage-NIC and attention-time Max/Avg of round robin (`dual-path`) vs DualPath."""
+    started = time.perf_counter()
+    name = "ds660b_2p4d"
+    agents = [int(str(a)) for a in _pick(ctx.agents, (512,) if ctx.is_quick else (1024, 2048))]
+    rows: list[list[object]] = []
+    red: dict[str, list[float]] = {m: [] for m in ABLATION}
+    bal: dict[str, list[tuple[float, float, float]]] = {"dual-path": [], "dualpath": []}
+    for n in agents:
+        res = {m: ctx.runner.run(RunSpec(name, m, n, "64k")) for m in ABLATION}
+        for m in ABLATION:
+            r = res[m]
+            reduction = 100.0 * (1.0 - r.jct_s / res["basic"].jct_s)
+            red[m].append(reduction)
+            rows.append([n, m, r.jct_s, reduction, r.storage_nic_max_over_avg,
+                         r.attention_max_over_avg, r.attention_max_over_avg_first5])
+            if m in bal:
+                bal[m].append((r.storage_nic_max_over_avg, r.attention_max_over_avg,
+                               r.attention_max_over_avg_first5))
+    csvp = write_csv(ctx.path("fig12_ablation.csv"),
+                     ["agents", "mode", "sim_jct_s", "reduction_pct", "snic_max_over_avg",
+                      "attn_max_over_avg", "attn_max_over_avg_first5pct"], rows)
+    mean_red = {m: sum(v) / len(v) for m, v in red.items()}
+    png = plots.grouped_bars(
+        ctx.path("fig12_ablation.png"), ["JCT reduction vs Basic"],
+        {m: [mean_red[m]] for m in ABLATION[1:]}, "JCT reduction vs Basic (%)",
+        f"Fig. 12 ablation, {setup(name).label}, 64K, agents {agents}",
+        paper={m: [PAPER_ABLATION_REDUCTION[m]] for m in ABLATION[1:]},
+    )
+    tab = [[m, f"{mean_red[m]:.1f}%", f"{PAPER_ABLATION_REDUCTION.get(m, 0.0):.2f}%"]
+           for m in ABLATION[1:]]
+    body = (f"**Paper:** {CLAIMS['fig12']}\n\n{setup(name).label}, 64K MAL, agents "
+            f"{', '.join(map(str, agents))} (mean over them). Steps: `layerwise` = +layerwise "
+            "prefill; `dual-path` = +dual-path loading (round-robin scheduling); `dualpath` = "
+            "+DualPath scheduling.\n\n"
+            + md_table(["step", "simulated JCT reduction", "paper"], tab))
+    bal_png = plots.grouped_bars(
+        ctx.path("fig13_14_balance.png"),
+        ["storage-NIC bytes Max/Avg", "attention time Max/Avg", "attention Max/Avg, first 5%"],
+        {"round_robin": [_mean([b[i] for b in bal["dual-path"]]) for i in range(3)],
+         "dualpath": [_mean([b[i] for b in bal["dualpath"]]) for i in range(3)]},
+        "Max / Avg (1 = perfect balance)",
+        f"Figs. 13-14 load balance, {setup(name).label}",
+        paper={"round_robin": [1.53, None, None], "dualpath": [1.18, None, 1.06]},
+    )
+    btab = [["storage-NIC bytes Max/Avg (all nodes)",
+             f"{_mean([b[0] for b in bal['dual-path']]):.2f}",
+             f"{_mean([b[0] for b in bal['dualpath']]):.2f}", "1.53 -> 1.18 (3 machines)"],
+            ["attention time Max/Avg (all prefill steps)",
+             f"{_mean([b[1] for b in bal['dual-path']]):.2f}",
+             f"{_mean([b[1] for b in bal['dualpath']]):.2f}", "-"],
+            ["attention time Max/Avg (first 5% of steps)",
+             f"{_mean([b[2] for b in bal['dual-path']]):.2f}",
+             f"{_mean([b[2] for b in bal['dualpath']]):.2f}", "1.06 (DualPath)"]]
+    body += ("\n\n### Figs. 13-14: load balance, round robin vs DualPath scheduling\n\n"
+             f"**Paper:** {CLAIMS['fig13']} {CLAIMS['fig14']}\n\n"
+             "Both with layerwise prefill and dual-path reads; only the scheduler differs.\n\n"
+             + md_table(["metric", "round robin", "DualPath", "paper"], btab))
+    return Section("ablation", "Fig. 12 (right) ablation and Figs. 13-14 load balance", body,
+                   (csvp, png, bal_png), time.perf_counter() - started, ctx.scale)
+
+
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v) if v else 0.0
+
+
+def table3_offline(ctx: Context, k: int) -> tuple[list[list[object]], float, float]:
+    """2P4D with n agents vs (2k)P(4k)D with k*n agents: rows and the two DualPath JCTs."""
+    n = ctx.agents[0] if ctx.agents else (128 if ctx.is_quick else 512)
+    small = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", n, "64k"))
+    big = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", k * n, "64k",
+                                 num_prefill_nodes=2 * k, num_decode_nodes=4 * k))
+    rows: list[list[object]] = [
+        ["offline", "2P4D", n, "", small.jct_s, small.num_completed],
+        ["offline", f"{2 * k}P{4 * k}D", k * n, "", big.jct_s, big.num_completed],
+    ]
+    return rows, small.jct_s, big.jct_s

@@ -1,0 +1,194 @@
+"""Online experiments (Poisson agent arrivals, each replaying its trajectory back to back):
+Figs. 10-11 latency vs APS and the SLO capacity of each system, the Fig. 12 (left) TTFT
+breakdown, and the online half of Table 3.
+
+SLO (paper §7.2): TTFT <= 4 s and TPOT <= 50 ms. Judged here on the means over turns that
+arrive after the first third of the run (the start of a run is empty and flatters every system);
+a run is aborted, and fails, as soon as one turn waits more than 20 s for its first token.
+Capacity is found per system by doubling/halving from a guess, then bisection.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dualpath.experiments import plots
+from dualpath.experiments.paper import CLAIMS
+from dualpath.experiments.report import Context, Section, fmt, md_table, write_csv
+from dualpath.experiments.runner import RunSpec
+from dualpath.experiments.setups import setup
+from dualpath.sim import SimResult
+
+TTFT_SLO_S = 4.0
+TPOT_SLO_S = 0.050
+ONLINE_SETUPS = ("ds27b_1p1d", "ds660b_2p4d")
+PAPER_CAPACITY_RATIO = {"ds27b_1p1d": 1.67, "ds660b_2p4d": 2.25}
+APS_GUESS = {"ds27b_1p1d": 0.3, "ds660b_2p4d": 0.3, "qwen32b_1p2d": 0.3}
+
+
+@dataclass(frozen=True)
+class OnlinePoint:
+    """Steady-part latency means of one online run."""
+
+    aps: float
+    ttft_s: float
+    ttst_s: float
+    tpot_s: float
+    trajectory_jct_s: float
+    breakdown_s: dict[str, float]
+    stop_reason: str
+
+    @property
+    def meets_slo(self) -> bool:
+        return (self.stop_reason != "ttft_limit" and self.ttft_s <= TTFT_SLO_S
+                and self.tpot_s <= TPOT_SLO_S)
+
+
+def steady_point(r: SimResult, aps: float) -> OnlinePoint:
+    """Means over turns arriving after the first third of the run."""
+    arr = r.col("arrive_s")
+    late = arr >= r.duration_s / 3.0
+    pf, sec, done = r.col("prefill_done_s"), r.col("second_token_s"), r.col("done_s")
+    gen = r.col("gen_tokens")
+    m1 = late & (pf >= 0)
+    ttft = float(np.mean(pf[m1] - arr[m1])) if m1.any() else math.inf
+    m2 = late & (sec >= 0)
+    ttst = float(np.mean(sec[m2] - pf[m2])) if m2.any() else math.inf
+    m3 = late & (done >= 0) & (gen > 2)
+    tpot = float(np.mean((done[m3] - sec[m3]) / (gen[m3] - 2))) if m3.any() else math.inf
+    traj = r.trajectory_jct_s()
+    return OnlinePoint(aps, ttft, ttst, tpot, float(np.mean(traj)) if len(traj) else math.nan,
+                       r.ttft_breakdown_s(), r.stop_reason)
+
+
+def _spec(
+    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None
+) -> RunSpec:
+    dur = ctx.online_duration_s or (900.0 if ctx.is_quick else 2400.0)
+    n = math.ceil(aps * dur * 1.2) + 8
+    mal = ctx.mals[0] if ctx.mals else "64k"
+    p, d = pd or (0, 0)
+    return RunSpec(name, mode, n, mal, aps=aps, max_duration_s=dur, num_prefill_nodes=p,
+                   num_decode_nodes=d)
+
+
+def point(
+    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None = None
+) -> OnlinePoint:
+    """The online point of `mode` at `aps`, at P/D `pd` in nodes (None: the setup's)."""
+    aps = round(aps, 4)
+    return steady_point(ctx.runner.run(_spec(ctx, name, mode, aps, pd)), aps)
+
+
+def capacity(
+    ctx: Context, name: str, mode: str, steps: int, pd: tuple[int, int] | None = None,
+    guess_aps: float = 0.0,
+) -> tuple[float, list[OnlinePoint]]:
+    """Largest APS found meeting the SLO (0 if none down to guess/16) and every point run."""
+    pts: list[OnlinePoint] = []
+    aps = guess_aps or APS_GUESS.get(name, 0.3)
+    p = point(ctx, name, mode, aps, pd)
+    pts.append(p)
+    lo, hi = (aps, 0.0) if p.meets_slo else (0.0, aps)
+    for _ in range(4):
+        if lo > 0 and hi > 0:
+            break
+        aps = aps * 2 if lo > 0 else aps / 2
+        p = point(ctx, name, mode, aps, pd)
+        pts.append(p)
+        if p.meets_slo:
+            lo = max(lo, aps)
+        else:
+            hi = aps if hi == 0 else min(hi, aps)
+    for _ in range(steps):
+        if lo == 0 or hi == 0:
+            break
+        mid = (lo + hi) / 2
+        p = point(ctx, name, mode, mid, pd)
+        pts.append(p)
+        if p.meets_slo:
+            lo = mid
+        else:
+            hi = mid
+    return lo, sorted(pts, key=lambda q: q.aps)
+
+
+def fig10_11(ctx: Context) -> Section:
+    """Figs. 10-11 and Fig. 12 left: latencies vs APS, SLO capacity, TTFT breakdown."""
+    started = time.perf_counter()
+    setups = [str(s) for s in ctx.setups] or list(ONLINE_SETUPS)
+    modes = ("basic", "dualpath") if ctx.is_quick else ("basic", "dualpath", "oracle")
+    steps = 2 if ctx.is_quick else 4
+    rows: list[list[object]] = []
+    files = []
+    body = [f"**Paper:** {CLAIMS['fig10']}", "",
+            "SLO judged on means over turns arriving after the first third of each run "
+            f"({ctx.online_duration_s or (900 if ctx.is_quick else 2400):,.0f} simulated "
+            f"seconds, {ctx.mals[0] if ctx.mals else '64k'} trace); "
+            "a run fails early once any turn's TTFT exceeds 20 s. Capacity = highest APS "
+            f"found meeting the SLO after doubling/halving and {steps} bisection steps.", ""]
+    cap_rows = []
+    for name in setups:
+        caps: dict[str, float] = {}
+        allpts: dict[str, list[OnlinePoint]] = {}
+        for m in modes:
+            caps[m], allpts[m] = capacity(ctx, name, m, steps)
+            for q in allpts[m]:
+                rows.append([name, m, q.aps, q.ttft_s, q.ttst_s, q.tpot_s, q.trajectory_jct_s,
+                             q.breakdown_s["queue"] + q.breakdown_s["allocation"],
+                             q.breakdown_s["read"], q.breakdown_s["prefill"], q.stop_reason,
+                             int(q.meets_slo)])
+        ratio = caps["dualpath"] / caps["basic"] if caps["basic"] > 0 else math.inf
+        cap_rows.append([setup(name).label] + [f"{caps[m]:.3f}" for m in modes]
+                        + [f"{ratio:.2f}x", f"{PAPER_CAPACITY_RATIO.get(name, 0):.2f}x"])
+        for metric, unit, label, hl in (
+            ("ttft_s", 1.0, "mean TTFT (s)", (TTFT_SLO_S, "SLO 4 s")),
+            ("ttst_s", 1.0, "mean TTST (s)", None),
+            ("tpot_s", 1e3, "mean TPOT (ms)", (TPOT_SLO_S * 1e3, "SLO 50 ms")),
+            ("trajectory_jct_s", 1.0, "mean trajectory JCT (s)", None),
+        ):
+            xs = sorted({q.aps for m in modes for q in allpts[m]})
+            series: dict[str, list[float | None]] = {}
+            for m in modes:
+                by = {q.aps: q for q in allpts[m]}
+                series[m] = [
+                    (float(getattr(by[x], metric)) * unit
+                     if x in by and math.isfinite(getattr(by[x], metric)) else None)
+                    for x in xs
+                ]
+            files.append(plots.lines(
+                ctx.path(f"fig10_{name}_{metric}.png"), xs, series,
+                "arrival rate (agents per second)", label,
+                f"Figs. 10-11 {label} vs APS, {setup(name).label}", hline=hl,
+            ))
+        # Fig. 12 left: TTFT parts at the points each of basic/dualpath ran.
+        for m in ("basic", "dualpath"):
+            pts = [q for q in allpts[m] if math.isfinite(q.ttft_s)]
+            files.append(plots.stacked_bars(
+                ctx.path(f"fig12_breakdown_{name}_{m}.png"), [f"{q.aps:.3f}" for q in pts],
+                {"scheduling/queue": [q.breakdown_s["queue"] + q.breakdown_s["allocation"]
+                                      for q in pts],
+                 "KV read": [q.breakdown_s["read"] for q in pts],
+                 "prefill": [q.breakdown_s["prefill"] for q in pts]},
+                "mean TTFT part (s)", f"Fig. 12 TTFT breakdown, {m}, {setup(name).label}",
+                xlabel="arrival rate (agents per second)",
+            ))
+    body += [md_table(["setup"] + [f"{m} capacity (APS)" for m in modes]
+                      + ["DualPath/Basic", "paper"], cap_rows), ""]
+    tab = [[r[0], r[1], f"{float(str(r[2])):.3f}", fmt(float(str(r[3])), 2),
+            fmt(float(str(r[4])), 3), fmt(1e3 * float(str(r[5])), 1), fmt(float(str(r[6]))),
+            r[10], "yes" if r[11] else "no"] for r in rows]
+    body += ["All points (steady-part means):", "",
+             md_table(["setup", "mode", "APS", "TTFT s", "TTST s", "TPOT ms", "traj. JCT s",
+                       "stop", "meets SLO"], tab)]
+    files.insert(0, write_csv(
+        ctx.path("fig10_11.csv"),
+        ["setup", "mode", "aps", "ttft_s", "ttst_s", "tpot_s", "trajectory_jct_s",
+         "ttft_queue_s", "ttft_read_s", "ttft_prefill_s", "stop_reason", "meets_slo"], rows))
+    return Section("fig10", "Figs. 10-11 online latency and SLO capacity; Fig. 12 (left) TTFT "
+                   "breakdown", "\n".join(body), tuple(files), time.perf_counter() - started,
+                   ctx.scale)

@@ -1,0 +1,101 @@
+"""One simulator run per `RunSpec`, cached per process so experiments that share a point (the
+ablation and Fig. 13, Fig. 7 and the split-read study) run it once; wall times are logged so the
+report can state what each experiment cost."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+
+from dualpath.core.errors import SpecError
+from dualpath.experiments.paper import MAL_TOKENS
+from dualpath.experiments.setups import setup
+from dualpath.sim import Driver, SimConfig, SimResult, Workload, mode_preset, simulate
+from dualpath.sim.workload import agent_workload
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of one experiment. `mal` names the Table-2 trace and its truncation length;
+    `aps > 0` makes it an online run of `max_duration_s` simulated seconds."""
+
+    setup: str
+    mode: str
+    num_agents: int
+    mal: str = "64k"
+    append_factor: float = 1.0
+    gen_factor: float = 1.0
+    aps: float = 0.0
+    max_duration_s: float = 3600.0
+    ttft_abort_s: float = 20.0
+    """Online: stop the run once one turn's TTFT exceeds this (clearly past the 4 s SLO)."""
+    num_prefill_nodes: int = 0
+    """0: the setup's default."""
+    num_decode_nodes: int = 0
+    cost_overrides: tuple[tuple[str, float], ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mal not in MAL_TOKENS:
+            raise SpecError("run", "mal", self.mal, f"must be one of {', '.join(MAL_TOKENS)}")
+        if self.num_agents < 1:
+            raise SpecError("run", "num_agents", self.num_agents, "must be >= 1")
+        setup(self.setup)
+        mode_preset(self.mode)
+
+    @property
+    def is_online(self) -> bool:
+        return self.aps > 0
+
+    def config(self) -> SimConfig:
+        """The simulator configuration of this point."""
+        s = setup(self.setup)
+        cluster = s.cluster(self.num_prefill_nodes or None, self.num_decode_nodes or None)
+        if self.is_online:
+            driver = Driver(kind="online", num_agents=self.num_agents, agents_per_s=self.aps,
+                            max_duration_s=self.max_duration_s, ttft_limit_s=self.ttft_abort_s)
+        else:
+            driver = Driver(kind="offline", num_agents=self.num_agents)
+        return SimConfig(
+            cluster, _workload(self.mal, self.num_agents, self.append_factor, self.gen_factor,
+                               self.seed),
+            mode=mode_preset(self.mode), driver=driver, seed=self.seed,
+            cost_overrides=self.cost_overrides,
+        )
+
+
+@cache
+def _workload(mal: str, num_agents: int, append: float, gen: float, seed: int) -> Workload:
+    # Each MAL column of Fig. 7 uses the dataset of that MaxLen, truncated at the MAL (§7.3).
+    return agent_workload(mal, num_agents, seed=seed, max_len_tokens=MAL_TOKENS[mal],
+                          append_factor=append, gen_factor=gen)
+
+
+@dataclass
+class Runner:
+    """Runs and caches `RunSpec`s; `log` holds (spec, wall seconds) of every fresh run."""
+
+    on_run: Callable[[RunSpec, SimResult, float], None] | None = None
+    cache: dict[RunSpec, SimResult] = field(default_factory=dict)
+    log: list[tuple[RunSpec, float]] = field(default_factory=list)
+
+    def run(self, spec: RunSpec) -> SimResult:
+        """The result of `spec`, simulated on first request."""
+        hit = self.cache.get(spec)
+        if hit is not None:
+            return hit
+        started = time.perf_counter()
+        result = simulate(spec.config())
+        wall = time.perf_counter() - started
+        self.cache[spec] = result
+        self.log.append((spec, wall))
+        if self.on_run is not None:
+            self.on_run(spec, result, wall)
+        return result
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds spent simulating so far."""
+        return sum(w for _, w in self.log)

@@ -1,0 +1,93 @@
+"""Each experiment, at a tiny size, writes its CSV, PNG and markdown; the CLI wires them up."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from dualpath.cli.main import main
+from dualpath.experiments.offline import ablation, fig7, fig8
+from dualpath.experiments.online import fig10_11
+from dualpath.experiments.registry import resolve, run_experiments
+from dualpath.experiments.report import Context
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_fig7_writes_csv_png_and_paper_side_by_side(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, agents=(3,), mals=("32k",), setups=("ds27b_1p1d",))
+    sec = fig7(ctx)
+    rows = _rows(tmp_path / "fig7.csv")
+    assert {r["mode"] for r in rows} == {"oracle", "dualpath", "basic"}
+    assert all(float(r["sim_jct_s"]) > 0 for r in rows)
+    assert all(r["paper_jct_s"] == "" for r in rows)  # no paper cell at 3 agents
+    png = tmp_path / "fig7_ds27b_1p1d.png"
+    assert png in sec.files and png.stat().st_size > 5000
+    assert "| agents | MAL | Oracle |" in sec.body
+
+
+def test_report_assembles_sections_and_reuses_runs(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, agents=(2,), mals=("32k",), setups=("ds27b_1p1d",))
+    report = tmp_path / "report.md"
+    sections = run_experiments(ctx, ["fig7", "fig8"], report, "test")
+    assert [s.key for s in sections] == ["fig7", "fig8"]
+    text = report.read_text()
+    assert "## Fig. 7: offline JCT" in text and "## Fig. 8: P/D ratio" in text
+    assert "![fig8](fig8.png)" in text
+    # fig8's 1P1D points are fig7's runs: cached, not simulated twice.
+    specs = [s for s, _ in ctx.runner.log]
+    assert len(specs) == len(set(specs))
+    assert sum(1 for s in specs if s.mode == "basic" and not s.num_prefill_nodes) == 1
+
+
+def test_ablation_and_balance(tmp_path: Path) -> None:
+    sec = ablation(Context(tmp_path, is_quick=True, agents=(2,)))
+    rows = _rows(tmp_path / "fig12_ablation.csv")
+    assert [r["mode"] for r in rows] == ["basic", "layerwise", "dual-path", "dualpath"]
+    assert float(rows[0]["reduction_pct"]) == 0.0
+    assert (tmp_path / "fig13_14_balance.png").exists()
+    assert "round robin" in sec.body
+
+
+def test_fig8_pd_ratios(tmp_path: Path) -> None:
+    fig8(Context(tmp_path, is_quick=True, agents=(2,), mals=("32k",)))
+    assert {r["pd"] for r in _rows(tmp_path / "fig8.csv")} == {"1P1D", "2P1D", "1P2D"}
+
+
+def test_online_capacity_search(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, setups=("ds27b_1p1d",), online_duration_s=40.0)
+    sec = fig10_11(ctx)
+    rows = _rows(tmp_path / "fig10_11.csv")
+    assert {r["mode"] for r in rows} == {"basic", "dualpath"}
+    assert (tmp_path / "fig10_ds27b_1p1d_ttft_s.png").exists()
+    assert (tmp_path / "fig12_breakdown_ds27b_1p1d_dualpath.png").exists()
+    assert "capacity (APS)" in sec.body
+
+
+def test_resolve_aliases_and_errors() -> None:
+    assert resolve(["fig13", "fig11", "fig7"]) == ["fig7", "fig12", "fig10"]
+    assert resolve(["all"])[0] == "calibration"
+
+
+def test_cli_reproduce_and_bad_names(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    code = main(["reproduce", "fig7", "--quick", "--quiet", "--setups", "ds27b_1p1d",
+                 "--agents", "2", "--mal", "32k", "--out", str(out)])
+    assert code == 0
+    assert (out / "section_fig7.md").read_text().startswith("## Fig. 7")
+    assert main(["reproduce", "fig99", "--out", str(out)]) == 2
+    assert main(["reproduce", "fig7", "--mal", "99k", "--out", str(out)]) == 2
+    assert main(["reproduce", "calibrate", "--quick", "--write", "--out", str(out)]) == 2
+
+
+def test_cli_advise(tmp_path: Path) -> None:
+    assert main(["advise", "--pd", "1X1D"]) == 2
+    code = main(["advise", "--model", "ds-27b", "--pd", "1P1D,1P2D", "--modes", "dualpath",
+                 "--steps", "0", "--duration", "30", "--out", str(tmp_path)])
+    assert code == 0
+    rows = _rows(tmp_path / "advise.csv")
+    assert {r["config"] for r in rows} == {"1P1D dualpath", "1P2D dualpath"}
+    assert "Recommended" in (tmp_path / "advise.md").read_text()
