@@ -147,7 +147,18 @@ class FlowNet:
             link.flows[flow] = weight
             link.bound_load += weight * flow.bound
         # Other flows can only slow down on links this one made (or found) tight.
-        self._recompute([flow], [lk for lk in flow.links if lk.is_tight])
+        tight = [lk for lk in flow.links if lk.is_tight]
+        if tight:
+            self._recompute([flow], tight)
+            return flow
+        # Fast path: every link is slack, so the flow runs at its bound and nobody else moves.
+        now = self.loop.now_s
+        rate = flow.bound
+        flow.rate = rate
+        for link, w in flow.links.items():
+            link.close_segment(now)
+            link.set_load(link.load_bytes_per_s + w * rate)
+        flow._handle = self.loop.at(now + flow.remaining / rate, self._finisher(flow))
         return flow
 
     def set_capacity(self, link: Link, capacity_bytes_per_s: float) -> None:

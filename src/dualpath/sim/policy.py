@@ -38,6 +38,8 @@ class Policy:
         self.kv_bpt = cl.model.kv_bytes_per_token
         self.estimator = CostModelEstimator(cl.model, cl.hardware, coeffs)
         self.private: list[deque[Req]] = []
+        self.private_tok: list[int] = []
+        """Sum of DE charges of each private queue (committed to the group, not yet in tok)."""
         self._rr_group = 0
         self._rr_de: dict[int, int] = {}
         self._rr_pe: dict[int, int] = {}
@@ -55,18 +57,24 @@ class Policy:
         `group_tok[g]` is the sum of `tok` over group g's engines."""
         while len(self.private) < len(group_tok):
             self.private.append(deque())
+            self.private_tok.append(0)
         if self.is_dualpath:
             # A group's load includes the requests already committed to its private queue.
-            load = {
-                gi: tok + sum(self.de_charge(_waiting(q)) for q in self.private[gi])
-                for gi, tok in enumerate(group_tok)
-            }
+            load = {gi: tok + self.private_tok[gi] for gi, tok in enumerate(group_tok)}
             out = de.de_global_drain(queue, load, self.params)
         else:
             out, self._rr_group = de.de_global_drain_round_robin(
                 queue, list(range(len(group_tok))), self._rr_group
             )
         return [(a.request_id, a.group_id) for a in out]
+
+    def enqueue_private(self, gi: int, req: Req, w: WaitingRequest) -> None:
+        self.private[gi].append(req)
+        self.private_tok[gi] += self.de_charge(w)
+
+    def pop_private(self, gi: int, w: WaitingRequest) -> Req:
+        self.private_tok[gi] -= self.de_charge(w)
+        return self.private[gi].popleft()
 
     def de_fetch(
         self, gi: int, queue: list[WaitingRequest], reports: list[EngineReport]
@@ -119,6 +127,3 @@ class Policy:
             out.append((req, entry.num_new_tokens))
         return out
 
-
-def _waiting(req: Req) -> WaitingRequest:
-    return WaitingRequest(req.rid, req.prompt, req.hit, req.gen)

@@ -22,6 +22,7 @@ changes: within an epoch the step time is constant, so completions are computed,
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -149,6 +150,10 @@ class Simulator:
             self.dgroups = [_DecodeGroup([e]) for e in de_engines]
         self.pgroup_of = {e: grp for grp in self.pgroups for e in grp.engines}
         self.dgroup_of = {e: grp for grp in self.dgroups for e in grp.engines}
+        self.dgroup_index = {e: gi for gi, grp in enumerate(self.dgroups) for e in grp.engines}
+        self.dgroup_tok = [0] * len(self.dgroups)
+        """Sum of `tok` over each DE group's engines (DE phase 1 balances it)."""
+        self.de_dirty: set[int] = set()
         self.reqs: list[Req] = []
         self.waiting: dict[int, WaitingRequest] = {}
         self.de_global: deque[Req] = deque()
@@ -163,6 +168,9 @@ class Simulator:
         self.attn_ratio_steps = 0
         self.attn_ratio_first: list[float] = []
         self.num_prefill_steps = 0
+        self.ttft_at: list[float] = []
+        """Completion times of prefills, non-decreasing, with running TTFT sums (stop rule)."""
+        self.ttft_sum: list[float] = [0.0]
         wl = config.workload
         self.wl_prompt = wl.prompt_tokens.tolist()
         self.wl_hit = wl.hit_tokens.tolist()
@@ -238,9 +246,10 @@ class Simulator:
         self.loop.after(drv.steady_window_s / 5, self._check_steady)
 
     def _mean_ttft(self, lo_s: float, hi_s: float) -> float:
-        vals = [r.t_prefill_done - r.t_arrive for r in reversed(self.reqs)
-                if r.t_prefill_done >= 0 and lo_s <= r.t_prefill_done < hi_s]
-        return sum(vals) / len(vals) if vals else 0.0
+        """Mean TTFT of the prefills that completed in [lo_s, hi_s)."""
+        lo = bisect.bisect_left(self.ttft_at, lo_s)
+        hi = bisect.bisect_left(self.ttft_at, hi_s)
+        return (self.ttft_sum[hi] - self.ttft_sum[lo]) / (hi - lo) if hi > lo else 0.0
 
     # -- arrival and inter-engine scheduling ---------------------------------------------------
     def _arrive(self, agent: int, row: int) -> None:
@@ -265,29 +274,34 @@ class Simulator:
         return rep
 
     def _dispatch_de(self) -> None:
-        """Two-level DE scheduling: the global queue to groups, then each group's fetch."""
+        """Two-level DE scheduling: the global queue to groups, then a fetch by each group
+        whose private queue or free HBM changed since its last fetch."""
         pol = self.policy
         if self.de_global:
-            loads = [sum(self.engines[e].num_tokens for e in grp.engines) for grp in self.dgroups]
             waiting = [self.waiting[r.rid] for r in self.de_global]
-            for rid, gi in pol.de_groups(waiting, loads):
-                pol.private[gi].append(self.reqs[rid])
+            for rid, gi in pol.de_groups(waiting, self.dgroup_tok):
+                pol.enqueue_private(gi, self.reqs[rid], self.waiting[rid])
+                self.de_dirty.add(gi)
             self.de_global.clear()
         moved = False
-        for gi, grp in enumerate(self.dgroups):
+        dirty, self.de_dirty = sorted(self.de_dirty), set()
+        for gi in dirty:
+            grp = self.dgroups[gi]
             queue = pol.private[gi]
             if not queue:
                 continue
             reports = [self._report(self.engines[e], Role.DECODE) for e in grp.engines]
             for rid, engine_id, hbm in pol.de_fetch(gi, [self.waiting[r.rid] for r in queue],
                                                     reports):
-                req = queue.popleft()
+                req = pol.pop_private(gi, self.waiting[rid])
                 assert req.rid == rid
                 eng = self.engines[engine_id]
                 req.de, req.hbm_bytes, req.t_de = engine_id, hbm, self.loop.now_s
                 eng.free_hbm_bytes -= hbm
                 eng.num_seqs += 1
-                eng.num_tokens += pol.de_charge(self.waiting[rid])
+                charge = pol.de_charge(self.waiting[rid])
+                eng.num_tokens += charge
+                self.dgroup_tok[gi] += charge
                 self.pe_queue.append(req)
                 moved = True
         if moved:
@@ -298,10 +312,13 @@ class Simulator:
         group after the last one that fetched goes first, so no node is favoured."""
         pol = self.policy
         num = len(self.pgroups)
+        beta = pol.params.beta_tokens
         for k in range(num):
             if not self.pe_queue:
                 return
             grp = self.pgroups[(self.next_pgroup + k) % num]
+            if all(self.engines[e].num_tokens > beta for e in grp.engines):
+                continue  # every engine is overloaded: its fetch would return nothing
             reports = [self._report(self.engines[e], Role.PREFILL) for e in grp.engines]
             queue = (self.waiting[r.rid] for r in self.pe_queue)
             assigned = pol.pe_fetch(grp.idx, queue, reports, self.de_node_of, self.de_read_q)
@@ -520,6 +537,8 @@ class Simulator:
     def _prefill_done(self, req: Req) -> None:
         """The prompt KV is in the DE buffer and the first token exists: copy in, decode."""
         req.t_prefill_done = self.loop.now_s
+        self.ttft_at.append(req.t_prefill_done)
+        self.ttft_sum.append(self.ttft_sum[-1] + req.t_prefill_done - req.t_arrive)
         drv = self.config.driver
         if (drv.kind == "online" and drv.ttft_limit_s > 0
                 and req.t_prefill_done - req.t_arrive > drv.ttft_limit_s):
@@ -614,7 +633,11 @@ class Simulator:
         eng = self.engines[req.de]
         eng.free_hbm_bytes += req.hbm_bytes
         eng.num_seqs -= 1
-        eng.num_tokens -= self.policy.de_charge(self.waiting.pop(req.rid))
+        charge = self.policy.de_charge(self.waiting.pop(req.rid))
+        eng.num_tokens -= charge
+        gi = self.dgroup_index[req.de]
+        self.dgroup_tok[gi] -= charge
+        self.de_dirty.add(gi)
         self.num_done += 1
         if self.progress is not None:
             self.progress(1)
@@ -659,22 +682,26 @@ class _DeNodeOf(Mapping[int, int]):
 
 
 class _DeReadQ(Mapping[int, int]):
-    """node -> its read queue in tokens (a live view of every decode node)."""
+    """node -> read queue in tokens, for the DE nodes of the requests waiting for a PE (what
+    a PE fetch may choose a read path against); a live view, so building it costs nothing."""
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
-        self.first = sim.config.cluster.num_prefill_nodes
 
     def __getitem__(self, node: int) -> int:
-        if not self.first <= node < len(self.sim.nodes):
+        if not self.sim.config.cluster.num_prefill_nodes <= node < len(self.sim.nodes):
             raise KeyError(node)
         return self.sim.nodes[node].read_q_tokens
 
+    def _nodes(self) -> dict[int, None]:
+        engines = self.sim.engines
+        return dict.fromkeys(engines[r.de].node for r in self.sim.pe_queue)
+
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.first, len(self.sim.nodes)))
+        return iter(self._nodes())
 
     def __len__(self) -> int:
-        return len(self.sim.nodes) - self.first
+        return len(self._nodes())
 
 
 def _noop() -> None:
