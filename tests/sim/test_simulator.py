@@ -187,3 +187,21 @@ def test_online_and_replay_drivers_run() -> None:
     ))
     assert rep.num_completed == wl.num_turns
     assert (rep.col("arrive_s") == sorted(times)).all()
+
+
+def test_mooncake_trace_replays_by_timestamp_with_hits_from_hash_ids() -> None:
+    from pathlib import Path
+
+    from dualpath.workload.mooncake import load_mooncake
+
+    path = Path(__file__).parent.parent / "fixtures" / "mooncake_excerpt.jsonl"
+    trace = load_mooncake(path)
+    wl = Workload.from_mooncake(trace)
+    assert (wl.hit_tokens < wl.prompt_tokens).all()
+    cl = ClusterSpec(hardware_preset("h800-deepseek"), model_preset("ds-27b"), 1, 1)
+    r = simulate(SimConfig(cl, wl, driver=Driver(kind="replay")))
+    assert r.num_completed == trace.num_requests
+    assert np.allclose(np.sort(r.col("arrive_s")), np.sort(trace.timestamp_s))
+    kv = cl.model.kv_bytes_per_token
+    assert r.resources["snic_read"].bytes_carried == pytest.approx(
+        float(wl.hit_tokens.sum()) * kv, rel=1e-9)

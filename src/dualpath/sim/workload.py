@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dualpath.core.errors import SpecError
+from dualpath.workload.mooncake import MooncakeTrace
 from dualpath.workload.trajectory import TurnTable
 
 IntArray = npt.NDArray[np.int64]
@@ -84,6 +85,23 @@ class Workload:
         np.cumsum([len(a) for a in agents], out=starts[1:])
         times = None if arrival_s is None else np.asarray(arrival_s, dtype=np.float64)
         return cls(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), starts, times)
+
+    @classmethod
+    def from_mooncake(cls, trace: MooncakeTrace, block_size: int = 64) -> Workload:
+        """A Mooncake trace for the `replay` driver: one single-turn agent per request at its
+        timestamp, hits from its `hash_ids` (the trace's incremental prefix store). A hit
+        covering the whole input is cut back one block: the last token is always computed."""
+        prompt = np.asarray(trace.input_tokens, dtype=np.int64)
+        hit = np.asarray(trace.hit_tokens, dtype=np.int64)
+        if trace.block_size_tokens % block_size:
+            raise SpecError("sim.workload", "block_size", block_size,
+                            f"must divide the trace's {trace.block_size_tokens}-token blocks")
+        full = hit >= prompt
+        hit = np.where(full, ((prompt - 1) // block_size) * block_size, hit)
+        n = len(prompt)
+        return cls(prompt, hit, np.asarray(trace.output_tokens, dtype=np.int64),
+                   np.arange(n + 1, dtype=np.int64),
+                   np.asarray(trace.timestamp_s, dtype=np.float64))
 
 
 def agent_workload(

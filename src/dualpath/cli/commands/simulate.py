@@ -14,7 +14,15 @@ from typing import Any
 from dualpath.cli.common import add_cluster_args, cluster_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
-from dualpath.sim import MODE_PRESETS, Driver, SimConfig, SimParams, SimResult, mode_preset
+from dualpath.sim import (
+    MODE_PRESETS,
+    Driver,
+    SimConfig,
+    SimParams,
+    SimResult,
+    Workload,
+    mode_preset,
+)
 from dualpath.sim import simulate as run_sim
 from dualpath.sim.workload import agent_workload
 
@@ -41,6 +49,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--mal", type=int, metavar="TOKENS", help="truncate trajectories at this MAL")
     w.add_argument("--append-scale", type=float, default=1.0, help="scale every append length")
     w.add_argument("--gen-scale", type=float, default=1.0, help="scale every generation length")
+    w.add_argument("--mooncake", metavar="PATH",
+                   help="replay a Mooncake-format trace by its timestamps instead of agents")
     w.add_argument("--online-aps", type=float, metavar="APS",
                    help="online: Poisson agent arrivals per second (default: offline)")
     w.add_argument("--max-duration", type=float, default=3600.0, metavar="S",
@@ -129,11 +139,20 @@ def run(args: argparse.Namespace) -> int:
     modes = _modes(args)
     if args.agents < 1:
         raise SimulateArgsError(f"--agents={args.agents}: must be >= 1")
-    workload = agent_workload(
-        args.trace, args.agents, seed=args.seed, max_len_tokens=args.mal,
-        append_factor=args.append_scale, gen_factor=args.gen_scale,
-    )
-    if args.online_aps is not None:
+    if args.mooncake:
+        if args.online_aps is not None:
+            raise SimulateArgsError("--mooncake and --online-aps are exclusive")
+        from dualpath.workload.mooncake import load_mooncake
+
+        workload = Workload.from_mooncake(load_mooncake(args.mooncake))
+    else:
+        workload = agent_workload(
+            args.trace, args.agents, seed=args.seed, max_len_tokens=args.mal,
+            append_factor=args.append_scale, gen_factor=args.gen_scale,
+        )
+    if args.mooncake:
+        driver = Driver(kind="replay")
+    elif args.online_aps is not None:
         driver = Driver(kind="online", num_agents=args.agents, agents_per_s=args.online_aps,
                         max_duration_s=args.max_duration)
     else:
@@ -149,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_progress and not args.json:
             from tqdm import tqdm
 
-            total = workload.num_turns if args.online_aps is None else None
+            total = workload.num_turns if driver.kind != "online" else None
             bar = tqdm(total=total, desc=name, unit="turn", file=sys.stderr, leave=False)
         result = run_sim(cfg, _progress(bar) if bar is not None else None)
         if bar is not None:

@@ -1,0 +1,38 @@
+"""`dualpath simulate` end to end on a tiny cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath.cli.main import main
+
+TINY = ["simulate", "--model", "ds-27b", "--prefill-nodes", "1", "--decode-nodes", "1",
+        "--trace", "32k", "--agents", "3", "--mal", "3000", "--no-progress"]
+
+
+def test_json_summaries_side_by_side(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    csv = tmp_path / "req.csv"
+    assert main([*TINY, "--mode", "basic,oracle", "--json", "--csv", str(csv)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["basic", "oracle"]
+    assert out["oracle"]["jct_s"] <= out["basic"]["jct_s"]
+    assert out["basic"]["num_completed"] == out["basic"]["num_requests"] > 0
+    rows = (tmp_path / "req.basic.csv").read_text().splitlines()
+    assert rows[0].startswith("request_id,agent,row,prompt_tokens")
+    assert len(rows) == 1 + out["basic"]["num_requests"]
+
+
+def test_table_and_mooncake_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = Path(__file__).parent.parent / "fixtures" / "mooncake_excerpt.jsonl"
+    assert main([*TINY, "--mode", "dualpath", "--mooncake", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "dualpath" in out and "JCT s" in out
+
+
+def test_unknown_mode_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, "--mode", "fast"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown mode preset 'fast'" in err[0]
