@@ -205,3 +205,37 @@ def test_mooncake_trace_replays_by_timestamp_with_hits_from_hash_ids() -> None:
     kv = cl.model.kv_bytes_per_token
     assert r.resources["snic_read"].bytes_carried == pytest.approx(
         float(wl.hit_tokens.sum()) * kv, rel=1e-9)
+
+
+def test_reads_wait_for_dram_buffer_room() -> None:
+    hw = hardware_preset("h800-deepseek")
+    kv = model_preset("ds-27b").kv_bytes_per_token
+    largest = int(IO_BOUND.hit_tokens.max()) * kv
+    small = hw.with_overrides(name="small-buffer", dram_buffer_bytes=int(1.5 * largest))
+    cl = ClusterSpec(small, model_preset("ds-27b"), 1, 1)
+    r = _run(cl, IO_BOUND, "dualpath")
+    assert r.num_completed == IO_BOUND.num_turns
+    assert max(r.buffer_peak_bytes_by_node) <= small.dram_buffer_bytes
+    roomy = _run(_cluster(1, 1), IO_BOUND, "dualpath")
+    assert max(roomy.buffer_peak_bytes_by_node) > small.dram_buffer_bytes
+
+
+def test_inference_traffic_slows_kv_transfers_but_never_overloads_a_nic() -> None:
+    cl = _cluster(1, 1)
+    base = _run(cl, IO_BOUND, "dualpath")
+    busy = _run(cl, IO_BOUND, "dualpath", params=SimParams(inference_load_fraction=0.98))
+    assert busy.jct_s >= base.jct_s
+    assert busy.num_completed == IO_BOUND.num_turns
+    for kind, usage in busy.resources.items():
+        assert usage.peak_utilization <= 1.0 + 1e-9, kind
+
+
+def test_online_stops_when_ttft_exceeds_the_slo() -> None:
+    wl = _agents(8, 4, append=300, gen=20, first=20000)
+    cfg = SimConfig(_cluster(1, 1, snic_gbps=0.5), wl,
+                    driver=Driver(kind="online", num_agents=8, agents_per_s=50.0,
+                                  ttft_limit_s=1.0, max_duration_s=1e5))
+    r = simulate(cfg)
+    assert r.stop_reason == "ttft_limit"
+    assert r.num_completed < wl.num_turns
+    assert r.ttft_s.max() > 1.0
