@@ -239,3 +239,14 @@ def test_online_stops_when_ttft_exceeds_the_slo() -> None:
     assert r.stop_reason == "ttft_limit"
     assert r.num_completed < wl.num_turns
     assert r.ttft_s.max() > 1.0
+
+
+def test_bad_input_names_the_field_and_value() -> None:
+    from dualpath.core.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"hit_tokens\[1\]=100.*multiple of the block size 64"):
+        SimConfig(_cluster(), Workload.from_lists([[(500, 0, 1), (700, 100, 1)]]))
+    with pytest.raises(SpecError, match=r"hit_tokens\[0\]=900"):
+        Workload.from_lists([[(500, 900, 1)]])
+    with pytest.raises(SpecError, match=r"mode.paths='both'"):
+        replace(SimConfig(_cluster(), IO_BOUND).mode, paths="both")

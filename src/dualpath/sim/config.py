@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError, UnknownPresetError
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
@@ -160,6 +162,13 @@ class SimConfig:
         if self.driver.kind == "replay" and self.workload.arrival_s is None:
             raise SpecError("sim", "workload.arrival_s", None, "a replay driver needs timestamps")
         non_negative_int("sim", "seed", self.seed)
+        bs = self.params.block_size_tokens
+        bad = np.flatnonzero(self.workload.hit_tokens % bs)
+        if len(bad):
+            i = int(bad[0])
+            raise SpecError("sim", f"workload.hit_tokens[{i}]", int(self.workload.hit_tokens[i]),
+                            f"must be a multiple of the block size {bs} (only Full Blocks are "
+                            "stored)")
 
     def with_mode(self, mode: Mode | str) -> SimConfig:
         """A copy running another mode (a name from MODE_PRESETS or a Mode)."""
