@@ -250,3 +250,13 @@ def test_bad_input_names_the_field_and_value() -> None:
         Workload.from_lists([[(500, 900, 1)]])
     with pytest.raises(SpecError, match=r"mode.paths='both'"):
         replace(SimConfig(_cluster(), IO_BOUND).mode, paths="both")
+
+
+def test_online_stops_at_steady_state() -> None:
+    wl = _agents(4, 2, append=200, gen=8, first=2000)
+    drv = Driver(kind="online", num_agents=0, agents_per_s=2.0, max_duration_s=1e4,
+                 steady_window_s=60.0,
+                 steady_lookback_s=120.0, steady_tolerance=0.5)
+    r = simulate(SimConfig(_cluster(1, 1), wl, driver=drv, seed=3))
+    assert r.stop_reason == "steady_state"
+    assert 180.0 <= r.duration_s < 1e4

@@ -114,6 +114,7 @@ class Driver:
 
     kind: str = "offline"
     num_agents: int = 64
+    """Offline: agents started at t = 0. Online: agents that arrive (0: no limit)."""
     agents_per_s: float = 0.0
     max_duration_s: float = 3600.0
     ttft_limit_s: float = 4.0
