@@ -2,8 +2,20 @@
 `dualpath.sched` policies, charging every hop of both KV paths to the hardware carrying it.
 
     from dualpath.sim import SimConfig, Workload, simulate
-    result = simulate(SimConfig(cluster, workload, mode=mode_preset("dualpath")))
+    from dualpath.sim.workload import agent_workload
+    wl = agent_workload("64k", num_agents=1024)
+    result = simulate(SimConfig(cluster, wl, mode=mode_preset("dualpath")))
     result.jct_s, result.summary(), result.write_csv("requests.csv")
+
+Module map (the pipeline is the file list):
+    kernel.py     heap of (time, seq, callback); deterministic tie-breaking
+    flows.py      links and flows; weighted max-min rates on tight links, recomputed locally
+    workload.py   turns as numpy arrays: Table-2 agents, hand-made lists, Mooncake traces
+    config.py     frozen SimConfig: cluster, Mode switches, SimParams, Driver, seed
+    state.py      run-time Req, Node (storage-NIC FIFO, DRAM, buffer), Engine (CNIC, HBM)
+    policy.py     snapshots in, dualpath.sched decisions out (never a policy of its own)
+    simulator.py  drivers, DE/PE dispatch, reads, prefill steps, decode epochs, persistence
+    result.py     SimResult: per-request records, JCT, TTFT parts, utilization, balance
 """
 
 from dualpath.sim.config import (
