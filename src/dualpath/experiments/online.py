@@ -68,7 +68,7 @@ def steady_point(r: SimResult, aps: float) -> OnlinePoint:
 def _spec(
     ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None
 ) -> RunSpec:
-    dur = ctx.online_duration_s or (900.0 if ctx.is_quick else 2400.0)
+    dur = ctx.online_duration_s or (600.0 if ctx.is_quick else 2400.0)
     n = math.ceil(aps * dur * 1.2) + 8
     mal = ctx.mals[0] if ctx.mals else "64k"
     p, d = pd or (0, 0)
@@ -127,7 +127,7 @@ def fig10_11(ctx: Context) -> Section:
     files = []
     body = [f"**Paper:** {CLAIMS['fig10']}", "",
             "SLO judged on means over turns arriving after the first third of each run "
-            f"({ctx.online_duration_s or (900 if ctx.is_quick else 2400):,.0f} simulated "
+            f"({ctx.online_duration_s or (600 if ctx.is_quick else 2400):,.0f} simulated "
             f"seconds, {ctx.mals[0] if ctx.mals else '64k'} trace); "
             "a run fails early once any turn's TTFT exceeds 20 s. Capacity = highest APS "
             f"found meeting the SLO after doubling/halving and {steps} bisection steps.", ""]

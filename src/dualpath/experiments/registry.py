@@ -6,6 +6,7 @@ into `ctx.out_dir`; runs shared between experiments are simulated once (the cont
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -81,7 +82,7 @@ Experiments and their wall times:
 
 QUICK_NOTE = """
 **Quick (scaled-down) runs:** the offline experiments use the paper's smallest agent count
-(512) instead of 512-4,096, fewer MAL columns and sweep points; online runs last 900
+(512) instead of 512-4,096, fewer MAL columns and sweep points; online runs last 600
 simulated seconds instead of 2,400; Table 3 scales by 2x instead of 24x. The shapes are the
 paper's; the absolute sizes are not. Full-size results, where run, are in the sections marked
 "full".
@@ -111,4 +112,29 @@ def run_experiments(
             scale_note=QUICK_NOTE if ctx.is_quick else "", walls=walls,
         )
         write_report(report, sections, header)
+        extra = included_sections(ctx.out_dir / "full", report.parent)
+        if extra:
+            with open(report, "a", encoding="utf-8") as f:
+                f.write("\n# Full-size runs\n\nSections written by earlier full-size "
+                        "`dualpath reproduce ... --out " + str(ctx.out_dir / "full") + "` runs "
+                        "(their own wall times stated), included verbatim.\n\n" + extra)
     return sections
+
+
+_LINK = re.compile(r"\]\((?!https?:|/)([^)]+)\)")
+
+
+def included_sections(folder: Path, report_dir: Path) -> str:
+    """The `section_*.md` files of `folder`, links rewritten relative to `report_dir`."""
+    if not folder.is_dir():
+        return ""
+    try:
+        prefix = str(folder.resolve().relative_to(report_dir.resolve()))
+    except ValueError:
+        prefix = str(folder.resolve())
+    parts = []
+    for f in sorted(folder.glob("section_*.md")):
+        text = f.read_text(encoding="utf-8")
+        text = _LINK.sub(lambda m: "](" + prefix + "/" + str(m.group(1)) + ")", text)
+        parts.append(text.replace("## ", "## Full size: ", 1))
+    return "\n".join(parts)

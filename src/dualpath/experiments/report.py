@@ -25,7 +25,7 @@ class Context:
     setups: tuple[str, ...] = ()
     """Override of an experiment's setups (empty: its default)."""
     online_duration_s: float = 0.0
-    """Override of the simulated length of online runs (0: 900 s quick, 2,400 s full)."""
+    """Override of the simulated length of online runs (0: 600 s quick, 2,400 s full)."""
 
     @property
     def scale(self) -> str:

@@ -86,12 +86,11 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
                                      f"valid: {', '.join(CALIBRATION_CELLS)}")
         started = time.perf_counter()
         cal = calibrate_setup(ctx.runner, name, CALIBRATION_CELLS[name],
-                              num_iters=1 if args.quick else 2,
+                              num_iters=1,
                               agent_divisor=8 if args.quick else 1)
         wall = time.perf_counter() - started
         records[name] = calibration_to_json(cal, wall)
-        print(f"{name}: prefill_scale {cal.prefill_scale:.3f}, overhead_scale "
-              f"{cal.overhead_scale:.3f}, RMS log residual {cal.rms_log_before:.3f} -> "
+        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, RMS log residual {cal.rms_log_before:.3f} -> "
               f"{cal.rms_log_after:.3f} ({cal.num_evals} evaluations, {wall:.0f} s)")
         for c in cal.cells:
             print(f"  {c.agents:>5} agents {c.mal}: paper {c.paper_s:,.0f} s, before "
@@ -99,8 +98,8 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
         if args.write:
             note = (f"fitted to paper Fig. 7 {name} Oracle JCTs at (agents, MAL) "
                     f"{list(CALIBRATION_CELLS[name])} by `dualpath reproduce calibrate --write`: "
-                    f"prefill_scale {cal.prefill_scale:.3f}, overhead_scale "
-                    f"{cal.overhead_scale:.3f} on the prior values; residuals "
+                    f"gpu_time_scale {cal.gpu_time_scale:.3f} (all GPU times x k) on the prior "
+                    "values; residuals "
                     + ", ".join(f"{100 * c.residual:+.1f}%" for c in cal.cells))
             print(f"  wrote {write_fitted(cal, note)}")
     if not args.quick:
