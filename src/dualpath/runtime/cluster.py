@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.validate import positive, positive_int
@@ -47,6 +45,8 @@ from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import WaitingRequest
+from dualpath.workload.tokens import RandomTokens
+from dualpath.workload.trajectory import Trajectory
 
 MODES = ("basic", "dualpath", "oracle")
 LAUNCHES = ("process", "thread")
@@ -83,6 +83,8 @@ class RunConfig:
     beta_tokens: float = 1e9
     """Default: no engine is ever "overloaded" (the runtime's engines queue work themselves)."""
     fetch_interval_s: float = 0.005
+    is_cache_enabled: bool = True
+    """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
 
     def __post_init__(self) -> None:
         owner = "run"
@@ -138,14 +140,27 @@ class AgentScript:
 def agents_from_lengths(
     turns: Sequence[tuple[Sequence[int], Sequence[int]]], vocab_size: int, seed: int
 ) -> list[AgentScript]:
-    """Agents from `(append lengths, gen lengths)` per agent; token ids drawn from a generator
-    seeded by `(seed, agent)`, so every run replays the same prompts."""
-    agents = []
-    for a, (appends, gens) in enumerate(turns):
-        rng = np.random.default_rng([seed, a])
-        ids = tuple(tuple(int(t) for t in rng.integers(0, vocab_size, int(n))) for n in appends)
-        agents.append(AgentScript(a, ids, tuple(int(g) for g in gens)))
-    return agents
+    """Agents from `(append lengths, gen lengths)` per agent, with the workload's deterministic
+    token ids (`workload.tokens.RandomTokens`, seeded by `(seed, agent, turn)`), so every run
+    replays the same prompts."""
+    source = RandomTokens(vocab_size, seed)
+    return [
+        AgentScript(
+            a,
+            tuple(tuple(source.append_ids(a, k, int(n))) for k, n in enumerate(appends)),
+            tuple(int(g) for g in gens),
+        )
+        for a, (appends, gens) in enumerate(turns)
+    ]
+
+
+def agents_from_trajectories(
+    trajectories: Sequence[Trajectory], vocab_size: int, seed: int
+) -> list[AgentScript]:
+    """One agent per trajectory (see `agents_from_lengths`)."""
+    return agents_from_lengths(
+        [(t.append_tokens, t.gen_tokens) for t in trajectories], vocab_size, seed
+    )
 
 
 @dataclass
@@ -283,8 +298,9 @@ class Cluster:
             self._inboxes = {n: queue.Queue() for n in range(cfg.num_nodes)}
         for n in range(cfg.num_nodes):
             ncfg = self._node_config(n)
-            args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q)
-            if cfg.launch == "process":
+            is_process = cfg.launch == "process"
+            args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q, is_process)
+            if is_process:
                 proc: Any = mp.get_context("spawn").Process(
                     target=run_node, args=args, name=f"dualpath-node{n}", daemon=True
                 )
@@ -300,7 +316,6 @@ class Cluster:
 
     def _node_config(self, node: int) -> NodeConfig:
         cfg = self.cfg
-        unpaced = float("inf")
         return NodeConfig(
             node=node,
             is_prefill=node < cfg.num_prefill_nodes,
@@ -309,8 +324,9 @@ class Cluster:
             model=cfg.model,
             store_root=cfg.store_root,
             buffer_bytes=cfg.buffer_bytes,
-            storage_nic_bytes_per_s=unpaced if cfg.is_oracle else cfg.storage_nic_bytes_per_s,
-            compute_nic_bytes_per_s=unpaced if cfg.is_oracle else cfg.compute_nic_bytes_per_s,
+            storage_nic_bytes_per_s=cfg.storage_nic_bytes_per_s,
+            compute_nic_bytes_per_s=cfg.compute_nic_bytes_per_s,
+            is_io_unpaced=cfg.is_oracle,
             hbm_bytes=cfg.hbm_bytes,
             is_layerwise=cfg.is_layerwise,
             transfer_kind=cfg.transfer_kind,
@@ -318,10 +334,12 @@ class Cluster:
             fetch_interval_s=cfg.fetch_interval_s,
         )
 
-    def _get(self, timeout_s: float) -> Message:
+    def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:
         try:
             msg: Message = self._sched_q.get(timeout=timeout_s)
         except queue.Empty:
+            if is_timeout_ok:
+                return None
             raise RunError(f"no message from the nodes within {timeout_s:g} s") from None
         if isinstance(msg, NodeFailed):
             raise RunError(f"node {msg.node} failed:\n{msg.error}")
@@ -340,7 +358,7 @@ class Cluster:
     def run(
         self,
         agents: Sequence[AgentScript],
-        on_turn: Callable[[TurnRecord], None] | None = None,
+        on_turn: Callable[[TurnRecord], object] | None = None,
         timeout_s: float = 600.0,
     ) -> RunResult:
         """Replay `agents` (all start at once, offline batch) until every turn is done."""
@@ -371,6 +389,8 @@ class Cluster:
             keys = block_keys(prompt, bs)
             # At least one token must be computed (its logits are the prefill's output).
             num_hit = min(store.longest_prefix(keys), (len(prompt) - 1) // bs)
+            if not cfg.is_cache_enabled:
+                num_hit = 0
             rid = next(request_ids)
             sched.submit(
                 Submitted(
@@ -388,10 +408,24 @@ class Cluster:
         started_at = time.time()
         for a in agents:
             submit(a)
+        # Long poll: a fetch that finds no work is parked and retried whenever something
+        # changes, and answered empty after `max_park_s` so the node's report stays fresh.
+        # This keeps fetches pull-based without the nodes polling the scheduler in a busy loop.
+        parked: dict[int, tuple[float, Fetch]] = {}
+        max_park_s = 0.05
+
+        def answer(fetch: Fetch, parked_at: float) -> None:
+            reply = sched.on_fetch(fetch)
+            if reply.prefill or reply.decode or time.monotonic() - parked_at >= max_park_s:
+                parked.pop(fetch.node, None)
+                self._inboxes[fetch.node].put(reply)
+            else:
+                parked[fetch.node] = (parked_at, fetch)
+
         while in_flight:
-            msg = self._get(timeout_s)
+            msg = self._get(max_park_s / 2 if parked else timeout_s, is_timeout_ok=bool(parked))
             if isinstance(msg, Fetch):
-                self._inboxes[msg.node].put(sched.on_fetch(msg))
+                answer(msg, time.monotonic())
             elif isinstance(msg, TurnDone):
                 rec = in_flight.pop(msg.request_id)
                 sched.finished(msg.request_id)
@@ -408,8 +442,12 @@ class Cluster:
                 next_turn[agent.agent_id] += 1
                 if next_turn[agent.agent_id] < len(agent.appends):
                     submit(agent)
-            else:
+            elif msg is not None:
                 raise RunError(f"scheduler: unexpected message {msg!r}")
+            just_parked = msg.node if isinstance(msg, Fetch) else None
+            for at, fetch in list(parked.values()):
+                if fetch.node != just_parked:
+                    answer(fetch, at)
         finished_at = max((r.done_at for r in records), default=started_at)
         nodes = self.close()
         return RunResult(cfg, records, nodes, started_at, finished_at, sched.num_fetches, outputs)

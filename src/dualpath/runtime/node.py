@@ -24,9 +24,11 @@ import time
 import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive, positive_int
@@ -87,11 +89,11 @@ class NodeConfig:
     store_root: str
     buffer_bytes: int
     storage_nic_bytes_per_s: float
-    """`inf` for the Oracle (storage reads and writes not paced)."""
     compute_nic_bytes_per_s: float
-    """`inf` for the Oracle (P-D transfers and copies not paced)."""
     hbm_bytes: int
     is_layerwise: bool
+    is_io_unpaced: bool = False
+    """The Oracle: storage I/O, P-D transfers and copies move their bytes without pacing."""
     transfer_kind: str = "auto"
     shm_prefix: str = "dp"
     fetch_interval_s: float = 0.005
@@ -162,11 +164,12 @@ class NodeContext:
         self.layout = cfg.layout
         slot_bytes = cfg.layout.full_block_bytes
         self.pool = BufferPool(cfg.shm_name, slot_bytes, cfg.buffer_bytes // slot_bytes)
+        unpaced = float("inf")
         self.nics = NodeNics.create(
             cfg.node,
             cfg.num_engines,
-            cfg.storage_nic_bytes_per_s,
-            cfg.compute_nic_bytes_per_s,
+            unpaced if cfg.is_io_unpaced else cfg.storage_nic_bytes_per_s,
+            unpaced if cfg.is_io_unpaced else cfg.compute_nic_bytes_per_s,
             cfg.chunk_bytes,
         )
         self.tm = TrafficManager()
@@ -274,9 +277,18 @@ class Engine(Protocol):
     def on_message(self, msg: Message) -> None: ...
 
 
-def run_node(cfg: NodeConfig, inbox: Inbox, outboxes: dict[int, Inbox], scheduler: Inbox) -> None:
+def run_node(
+    cfg: NodeConfig,
+    inbox: Inbox,
+    outboxes: dict[int, Inbox],
+    scheduler: Inbox,
+    is_own_process: bool = False,
+) -> None:
     """Run node `cfg.node` until Shutdown; any failure is reported as NodeFailed."""
     ctx: NodeContext | None = None
+    if is_own_process:
+        # Engines are threads; intra-op thread pools would only contend for the same cores.
+        torch.set_num_threads(1)
     try:
 
         def send(node: int | None, msg: Message) -> None:
@@ -298,6 +310,7 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
 
     cfg = ctx.cfg
     model = build_model(cfg.model)
+    _warm_up(model, ctx.layout)
     ctx.send(None, NodeUp(cfg.node, ctx.transfer.local_info()))
     while True:
         msg = inbox.get()
@@ -330,7 +343,10 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
             raise RuntimeError(ctx.failure[0])
         now = time.monotonic()
         if not is_fetch_out and now >= next_fetch_at:
-            ctx.send(None, Fetch(cfg.node, tuple(e.load() for e in engines)))
+            # read_q is a node value: every engine reports the same snapshot of it.
+            read_q = ctx.read_q_tokens
+            loads = tuple(replace(e.load(), read_q_tokens=read_q) for e in engines)
+            ctx.send(None, Fetch(cfg.node, loads))
             is_fetch_out = True
         try:
             msg = pending.popleft() if pending else inbox.get(timeout=cfg.fetch_interval_s)
@@ -364,6 +380,15 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     for t in threads:
         t.join(timeout=10.0)
     ctx.send(None, ctx.stats())
+
+
+def _warm_up(model: Any, layout: KVLayout) -> None:
+    """One short generation before the node reports up, so first-call costs (kernel selection,
+    allocator growth) are not charged to the first request of the run."""
+    from dualpath.runtime.model import SamplingParams
+
+    prompt = [i % model.config.vocab_size for i in range(2 * layout.block_size + 1)]
+    model.generate(prompt, SamplingParams(max_tokens=2, is_ignore_eos=True))
 
 
 def _guard(ctx: NodeContext, fn: Callable[[], None]) -> Callable[[], None]:

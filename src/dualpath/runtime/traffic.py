@@ -57,7 +57,8 @@ class PortConfig:
 
     def __post_init__(self) -> None:
         owner = f"port[{self.name}]"
-        positive(owner, "rate_bytes_per_s", self.rate_bytes_per_s)
+        if self.rate_bytes_per_s != float("inf"):
+            positive(owner, "rate_bytes_per_s", self.rate_bytes_per_s)
         positive_int(owner, "chunk_bytes", self.chunk_bytes)
         positive(owner, "lookahead_s", self.lookahead_s)
         positive_int(owner, "high_weight", self.high_weight)

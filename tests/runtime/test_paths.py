@@ -1,0 +1,106 @@
+"""KV through the PE read path, through the DE read path, and no cache at all give the same
+tokens as a full recompute (tiny random model, greedy, fp32), through the real engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualpath.runtime.cluster import AgentScript, Cluster, RunConfig, RunResult, agents_from_lengths
+from dualpath.runtime.model import SamplingParams
+from dualpath.runtime.weights import tiny_random_model
+
+# Two agents, three turns each: turn 2 and 3 prompts extend the previous context, so they hit.
+TURNS = [([300, 40, 70], [8, 8, 70]), ([200, 100, 5], [5, 66, 3])]
+
+
+def reference(agents: list[AgentScript]) -> dict[int, list[tuple[int, ...]]]:
+    """Every turn fully recomputed in one process with `Model.generate`."""
+    model = tiny_random_model(0)
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for a in agents:
+        context: list[int] = []
+        out[a.agent_id] = []
+        for append, gen in zip(a.appends, a.gen_tokens, strict=True):
+            prompt = context + list(append)
+            seq = model.generate(prompt, SamplingParams(max_tokens=gen, is_ignore_eos=True))
+            out[a.agent_id].append(tuple(seq.output_ids))
+            context = prompt + seq.output_ids
+    return out
+
+
+def run(tmp_path: Path, **overrides: object) -> RunResult:
+    fields: dict[str, object] = {
+        "mode": "dualpath",
+        "store_root": str(tmp_path / "store"),
+        "launch": "thread",
+        "num_prefill_nodes": 1,
+        "num_decode_nodes": 1,
+        "engines_per_node": 1,
+        "buffer_bytes": 8 << 20,
+        "hbm_bytes": 16 << 20,
+        "transfer_kind": "shm",
+    }
+    fields.update(overrides)
+    cfg = RunConfig(**fields)  # type: ignore[arg-type]
+    cluster = Cluster(cfg)
+    agents = agents_from_lengths(TURNS, cluster.vocab_size, seed=0)
+    return cluster.run(agents, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[int, list[tuple[int, ...]]]:
+    return reference(agents_from_lengths(TURNS, tiny_random_model(0).config.vocab_size, 0))
+
+
+def test_pe_read_path_matches_full_recompute(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    r = run(tmp_path, path_mode="pe")
+    assert r.outputs == expected
+    b = r.bytes_by_path()
+    assert r.num_hit_tokens > 0 and b["pe_read"] == r.num_hit_tokens * 1024
+    assert "de_read" not in b and "de_to_pe" not in b
+    # PE path: hit and miss KV both go to the DE buffer.
+    assert b["pe_to_de"] >= b["pe_read"]
+    assert r.store_counters()["num_corrupt"] == 0
+
+
+def test_de_read_path_matches_full_recompute(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    r = run(tmp_path, path_mode="de")
+    assert r.outputs == expected
+    b = r.bytes_by_path()
+    assert r.num_hit_tokens > 0 and b["de_read"] == r.num_hit_tokens * 1024
+    assert "pe_read" not in b
+    # DE path: the hit KV crosses to the PE layer by layer; only miss KV comes back.
+    assert b["de_to_pe"] == b["de_read"]
+    assert b["pe_to_de"] < b["de_to_pe"] + (r.num_prompt_tokens - r.num_hit_tokens) * 1024 * 2
+
+
+def test_no_cache_matches_and_reads_nothing(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    r = run(tmp_path, is_cache_enabled=False, mode="basic")
+    assert r.outputs == expected
+    assert r.num_hit_tokens == 0
+    b = r.bytes_by_path()
+    assert "pe_read" not in b and "de_read" not in b and b["snic_write"] > 0
+
+
+def test_corrupt_block_is_a_miss_and_recomputed(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    """Blocks that fail their checksum are counted, recomputed, and the tokens do not change."""
+    first = run(tmp_path, path_mode="pe")
+    assert first.outputs == expected
+    # Flip one payload byte in every stored block; the second run's prompts hit all of them.
+    for blk in (tmp_path / "store").rglob("*.blk"):
+        data = bytearray(blk.read_bytes())
+        data[-1] ^= 0xFF
+        blk.write_bytes(bytes(data))
+    second = run(tmp_path, path_mode="de")
+    assert second.outputs == expected
+    assert second.store_counters()["num_corrupt"] > 0
