@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from dualpath.sim.kernel import EventLoop
 
@@ -138,27 +139,41 @@ class FlowNet:
 
     def start(self, flow: Flow) -> Flow:
         """Add `flow`; if it has no links or no bytes it completes at once (as an event)."""
-        if flow.size <= 0.0 or not flow.links:
+        links = flow.links
+        if flow.size <= 0.0 or not links:
             self.loop.after(0.0, flow.on_done)
             return flow
-        flow._updated_s = self.loop.now_s
-        flow.bound = min(link.capacity_bytes_per_s / w for link, w in flow.links.items())
-        for link, weight in flow.links.items():
-            link.flows[flow] = weight
-            link.bound_load += weight * flow.bound
-        # Other flows can only slow down on links this one made (or found) tight.
-        tight = [lk for lk in flow.links if lk.is_tight]
-        if tight:
-            self._recompute([flow], tight)
+        now = self.loop.now_s
+        flow._updated_s = now
+        bound = math.inf
+        for link, w in links.items():
+            x = link.capacity_bytes_per_s / w
+            if x < bound:
+                bound = x
+        flow.bound = bound
+        is_slack = True
+        for link, w in links.items():
+            link.flows[flow] = w
+            link.bound_load += w * bound
+            if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+                is_slack = False
+        if not is_slack:
+            # Other flows can only slow down on links this one made (or found) tight.
+            self._recompute([flow], [lk for lk in links if lk.is_tight])
             return flow
         # Fast path: every link is slack, so the flow runs at its bound and nobody else moves.
-        now = self.loop.now_s
-        rate = flow.bound
-        flow.rate = rate
-        for link, w in flow.links.items():
-            link.close_segment(now)
-            link.set_load(link.load_bytes_per_s + w * rate)
-        flow._handle = self.loop.at(now + flow.remaining / rate, self._finisher(flow))
+        flow.rate = bound
+        for link, w in links.items():
+            if link.load_bytes_per_s > 0.0:
+                link.close_segment(now)
+            else:
+                link._load_since_s = now
+            load = link.load_bytes_per_s + w * bound
+            link.load_bytes_per_s = load
+            u = load / link.capacity_bytes_per_s
+            if u > link.peak_utilization:
+                link.peak_utilization = u
+        flow._handle = self.loop.at(now + flow.remaining / bound, partial(self._finish, flow))
         return flow
 
     def set_capacity(self, link: Link, capacity_bytes_per_s: float) -> None:
@@ -181,19 +196,24 @@ class FlowNet:
         now = self.loop.now_s
         flow.remaining = 0.0
         # Only flows on links that were tight can speed up when this one leaves.
-        links = [lk for lk in flow.links if lk.is_tight]
+        tight: list[Link] = []
+        bound, rate = flow.bound, flow.rate
         for link, w in flow.links.items():
-            del link.flows[flow]
+            if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+                tight.append(link)
+            flows = link.flows
+            del flows[flow]
             link.close_segment(now)
-            if link.flows:
-                link.bound_load -= w * flow.bound
-                link.set_load(link.load_bytes_per_s - w * flow.rate)
+            if flows:
+                link.bound_load -= w * bound
+                load = link.load_bytes_per_s - w * rate
+                link.load_bytes_per_s = load if load > 0.0 else 0.0
             else:
                 link.bound_load = 0.0
-                link.set_load(0.0)
+                link.load_bytes_per_s = 0.0
         flow.rate = 0.0
-        if links:
-            self._recompute([], links)
+        if tight:
+            self._recompute([], tight)
         flow.on_done()
 
     def _recompute(self, seed_flows: list[Flow], seeds: list[Link]) -> None:
@@ -275,13 +295,10 @@ class FlowNet:
             if f._handle:
                 loop.cancel(f._handle)
             done_s = now + max(f.remaining, 0.0) / rate if rate > 0 else math.inf
-            f._handle = loop.at(done_s, self._finisher(f)) if done_s < math.inf else 0
+            f._handle = loop.at(done_s, partial(self._finish, f)) if done_s < math.inf else 0
         # Peaks are checked only once every rate of this recompute is applied.
         for link in changed:
             link.set_load(link.load_bytes_per_s)
-
-    def _finisher(self, flow: Flow) -> Callable[[], None]:
-        return lambda: self._finish(flow)
 
 
 _TIGHT = 1.0 + 1e-9
