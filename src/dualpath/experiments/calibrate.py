@@ -7,9 +7,10 @@ per-layer, per-MoE-layer and per-step overheads multiplied by k). Oracle bypasse
 its JCT depends only on these GPU costs and the scheduler, and ln JCT is close to linear in
 ln k. A two-parameter version (prefill efficiency and overhead scales separately) was tried and
 dropped: Oracle JCT at the Fig. 7 sizes barely depends on prefill speed until prefill becomes
-the bottleneck, so the fit was ill-conditioned and drove prefill efficiency to 4%. The fit is Levenberg-damped
-Gauss-Newton on log residuals `ln(sim / paper)` with forward-difference Jacobians: a handful of
-simulator evaluations, each a batch of Oracle runs.
+the bottleneck, so the fit was ill-conditioned and drove prefill efficiency to 4%.
+
+The fit is Levenberg-damped Gauss-Newton on log residuals `ln(sim / paper)` with
+forward-difference Jacobians: a handful of simulator evaluations, each a batch of Oracle runs.
 """
 
 from __future__ import annotations

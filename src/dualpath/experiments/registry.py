@@ -16,6 +16,7 @@ from pathlib import Path
 from dualpath.core.errors import UnknownPresetError
 from dualpath.experiments.calibrate import calibration_section
 from dualpath.experiments.extensions import split_reads, table3
+from dualpath.experiments.notes import DIFFERENCES
 from dualpath.experiments.offline import ablation, fig7, fig8, fig9
 from dualpath.experiments.online import fig10_11
 from dualpath.experiments.report import Context, Section, md_table, write_report
@@ -73,7 +74,7 @@ read off the paper's figures (about +-5%).
 
 How to read it: each section states the paper's claim, shows our numbers and the paper's side
 by side where the paper gives values, and says where we differ. A mismatch is reported, not
-tuned away: only the Oracle JCTs of Fig. 7 were fitted (two coefficients per model).
+tuned away: only the Oracle JCTs of Fig. 7 were fitted (one GPU-time factor per model).
 {scale_note}
 Experiments and their wall times:
 
@@ -110,7 +111,7 @@ def run_experiments(
             command=command, date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             rev=_git_rev(), scale=ctx.scale, wall=time.perf_counter() - started,
             scale_note=QUICK_NOTE if ctx.is_quick else "", walls=walls,
-        )
+        ) + "\n" + DIFFERENCES
         write_report(report, sections, header)
         extra = included_sections(ctx.out_dir / "full", report.parent)
         if extra:
@@ -129,11 +130,12 @@ def included_sections(folder: Path, report_dir: Path) -> str:
     if not folder.is_dir():
         return ""
     try:
-        prefix = str(folder.resolve().relative_to(report_dir.resolve()))
+        base = folder.resolve().relative_to(report_dir.resolve())
     except ValueError:
-        prefix = str(folder.resolve())
+        base = folder.resolve()
     parts = []
-    for f in sorted(folder.glob("section_*.md")):
+    for f in sorted(folder.rglob("section_*.md")):
+        prefix = str(base / f.parent.resolve().relative_to(folder.resolve()))
         text = f.read_text(encoding="utf-8")
         text = _LINK.sub(lambda m: "](" + prefix + "/" + str(m.group(1)) + ")", text)
         parts.append(text.replace("## ", "## Full size: ", 1))
