@@ -260,3 +260,14 @@ def test_online_stops_at_steady_state() -> None:
     r = simulate(SimConfig(_cluster(1, 1), wl, driver=drv, seed=3))
     assert r.stop_reason == "steady_state"
     assert 180.0 <= r.duration_s < 1e4
+
+
+def test_utilization_series_integrate_to_bytes_carried() -> None:
+    cl = _cluster(1, 1)
+    r = _run(cl, IO_BOUND, "dualpath", params=SimParams(utilization_bin_s=0.5))
+    cap = cl.hardware.storage_nic_bytes_per_s
+    for node, series in enumerate(r.storage_read_series_by_node):
+        assert len(series) == int(np.ceil(r.duration_s / 0.5))
+        assert max(series) <= 1.0 + 1e-9
+        assert sum(series) * 0.5 * cap == pytest.approx(r.storage_read_bytes_by_node[node],
+                                                        rel=1e-6)

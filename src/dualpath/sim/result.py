@@ -71,6 +71,8 @@ class SimResult:
     resources: Mapping[str, ResourceUsage]
     utilization_bin_s: float
     storage_read_bytes_by_node: tuple[float, ...]
+    storage_read_series_by_node: tuple[tuple[float, ...], ...]
+    """Storage-NIC read utilization of every node per time bin (paper Fig. 13's traffic)."""
     storage_nic_max_over_avg: float
     """Max/Avg of bytes read over every node's storage NIC (paper Fig. 13: 1.53 -> 1.18)."""
     attention_max_over_avg: float
@@ -268,6 +270,9 @@ def build_result(sim: Simulator) -> SimResult:
         resources=resources,
         utilization_bin_s=bin_s,
         storage_read_bytes_by_node=read_bytes,
+        storage_read_series_by_node=tuple(
+            tuple(n.snic_read.utilization_series(duration)) for n in sim.nodes
+        ),
         storage_nic_max_over_avg=snic_ratio,
         attention_max_over_avg=(sim.attn_ratio_sum / sim.attn_ratio_steps
                                 if sim.attn_ratio_steps else 1.0),
