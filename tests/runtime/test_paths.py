@@ -12,7 +12,7 @@ from dualpath.runtime.model import SamplingParams
 from dualpath.runtime.weights import tiny_random_model
 
 # Two agents, three turns each: turn 2 and 3 prompts extend the previous context, so they hit.
-TURNS = [([300, 40, 70], [8, 8, 70]), ([200, 100, 5], [5, 66, 3])]
+TURNS = [([300, 40, 70], [8, 8, 40]), ([200, 100, 5], [5, 30, 3])]
 
 
 def reference(agents: list[AgentScript]) -> dict[int, list[tuple[int, ...]]]:

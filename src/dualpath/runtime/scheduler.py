@@ -138,7 +138,14 @@ class RuntimeScheduler:
         return Fetched(decode=tasks)
 
     def _read_q_by_node(self) -> dict[int, int]:
-        return {n: loads[0].read_q_tokens for n, loads in self._loads.items() if loads}
+        """Each node's last reported read queue plus the DE-side reads planned for it that it
+        has not received yet (they join its queue on its next fetch)."""
+        bs = self.cfg.params.block_size_tokens
+        q = {n: loads[0].read_q_tokens for n, loads in self._loads.items() if loads}
+        for node, tasks in self._outbox.items():
+            planned = sum((t.num_hit_blocks - t.num_pe_blocks) * bs for t in tasks)
+            q[node] = q.get(node, 0) + planned
+        return q
 
     def _reports(self, node: int, role: Role) -> list[EngineReport]:
         reports = []
