@@ -274,41 +274,71 @@ def _ds_27b() -> ModelSpec:
     )
 
 
-def _qwen25_32b() -> ModelSpec:
-    hidden, layers, heads, kv_heads, head_dim = 5120, 64, 40, 8, 128
-    attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
-    ffn = float(layers * 3 * hidden * 27648)
+def dense_gqa_spec(
+    name: str,
+    *,
+    hidden: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    vocab_size: int,
+    kv_dtype_bytes: int,
+    weight_dtype_bytes: int,
+    is_tied_embeddings: bool = False,
+    source: str = "",
+) -> ModelSpec:
+    """A dense Llama-family model (GQA, or MHA when kv heads == heads) with a SwiGLU FFN:
+    KV = 2 x kv_heads x head_dim x dtype bytes per token per layer."""
+    attn = _gqa_attn_params(hidden, num_heads, num_kv_heads, head_dim)
+    ffn = float(num_layers * 3 * hidden * intermediate)
+    embed = (1 if is_tied_embeddings else 2) * vocab_size * hidden
     return ModelSpec(
-        name="qwen2.5-32b",
-        num_layers=layers,
-        attention=AttentionKind.GQA,
-        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
-        num_attention_heads=heads,
+        name=name,
+        num_layers=num_layers,
+        attention=AttentionKind.MHA if num_kv_heads == num_heads else AttentionKind.GQA,
+        kv_bytes_per_token_per_layer=2 * num_kv_heads * head_dim * kv_dtype_bytes,
+        num_attention_heads=num_heads,
         attn_qk_head_dim=head_dim,
         attn_v_head_dim=head_dim,
         attn_linear_params_per_layer=attn,
         ffn_active_params_per_token=ffn,
-        weight_bytes=2.0 * (attn * layers + ffn + 2 * 152064 * hidden),
+        weight_bytes=float(weight_dtype_bytes * (attn * num_layers + ffn + embed)),
+        source=source,
+    )
+
+
+def _qwen25_32b() -> ModelSpec:
+    return dense_gqa_spec(
+        "qwen2.5-32b",
+        hidden=5120,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate=27648,
+        vocab_size=152064,
+        kv_dtype_bytes=2,
+        weight_dtype_bytes=2,
         source="Qwen2.5-32B HF config: 64 layers, 40 heads, 8 KV heads, head dim 128, "
         "intermediate 27648; FP16 KV (paper Table 1) = 256 KiB/token",
     )
 
 
 def _smollm2_135m() -> ModelSpec:
-    hidden, layers, heads, kv_heads, head_dim = 576, 30, 9, 3, 64
-    attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
-    ffn = float(layers * 3 * hidden * 1536)
-    return ModelSpec(
-        name="smollm2-135m",
-        num_layers=layers,
-        attention=AttentionKind.GQA,
-        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
-        num_attention_heads=heads,
-        attn_qk_head_dim=head_dim,
-        attn_v_head_dim=head_dim,
-        attn_linear_params_per_layer=attn,
-        ffn_active_params_per_token=ffn,
-        weight_bytes=2.0 * (attn * layers + ffn + 49152 * hidden),
+    return dense_gqa_spec(
+        "smollm2-135m",
+        hidden=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate=1536,
+        vocab_size=49152,
+        kv_dtype_bytes=2,
+        weight_dtype_bytes=2,
+        is_tied_embeddings=True,
         source="SmolLM2-135M-Instruct config: 30 layers, 9 heads, 3 KV heads, head dim 64, "
         "intermediate 1536, tied embeddings; bf16 KV = 23,040 B/token",
     )
@@ -383,24 +413,18 @@ def model_from_hf_config(
     vocab = _get(cfg, where, "vocab_size", default=0)
     label = name or str(cfg.get("_name_or_path") or model_type)
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
-        kv_heads = _get(cfg, where, "num_key_value_heads", default=heads)
-        head_dim = _get(cfg, where, "head_dim", default=hidden // max(heads, 1))
-        inter = _get(cfg, where, "intermediate_size")
-        attn = _gqa_attn_params(hidden, heads, kv_heads, head_dim)
-        ffn = float(layers * 3 * hidden * inter)
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        weight_dtype = _DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2
-        return ModelSpec(
-            name=label,
+        return dense_gqa_spec(
+            label,
+            hidden=hidden,
             num_layers=layers,
-            attention=AttentionKind.MHA if kv_heads == heads else AttentionKind.GQA,
-            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_dtype_bytes,
-            num_attention_heads=heads,
-            attn_qk_head_dim=head_dim,
-            attn_v_head_dim=head_dim,
-            attn_linear_params_per_layer=attn,
-            ffn_active_params_per_token=ffn,
-            weight_bytes=weight_dtype * (attn * layers + ffn + (1 if tied else 2) * vocab * hidden),
+            num_heads=heads,
+            num_kv_heads=_get(cfg, where, "num_key_value_heads", default=heads),
+            head_dim=_get(cfg, where, "head_dim", default=hidden // max(heads, 1)),
+            intermediate=_get(cfg, where, "intermediate_size"),
+            vocab_size=vocab,
+            kv_dtype_bytes=kv_dtype_bytes,
+            weight_dtype_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
+            is_tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             source=f"from {where} ({model_type})",
         )
     if model_type in ("deepseek_v3", "deepseek_v32"):

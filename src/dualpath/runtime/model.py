@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.core.model import AttentionKind, ModelSpec
+from dualpath.core.model import ModelSpec, dense_gqa_spec
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.runtime.kvlayout import KV_DTYPES, KVLayout
 
@@ -82,23 +82,19 @@ class ModelConfig:
 
     def to_model_spec(self, kv_dtype: str = "float32") -> ModelSpec:
         """This model as the cluster sees it (KV size and FLOPs for the cost model)."""
-        h, nh = self.hidden_size, self.num_attention_heads
-        kvh, hd = self.num_kv_heads, self.head_dim
-        attn = float(h * nh * hd * 2 + h * kvh * hd * 2)
-        ffn = float(self.num_layers * 3 * h * self.intermediate_size)
         dtype_bytes = self.kv_layout(1, kv_dtype).dtype_bytes
-        embed = (1 if self.is_tied_embeddings else 2) * self.vocab_size * h
-        return ModelSpec(
-            name=self.name,
+        return dense_gqa_spec(
+            self.name,
+            hidden=self.hidden_size,
             num_layers=self.num_layers,
-            attention=AttentionKind.MHA if kvh == nh else AttentionKind.GQA,
-            kv_bytes_per_token_per_layer=2 * kvh * hd * dtype_bytes,
-            num_attention_heads=nh,
-            attn_qk_head_dim=hd,
-            attn_v_head_dim=hd,
-            attn_linear_params_per_layer=attn,
-            ffn_active_params_per_token=ffn,
-            weight_bytes=float(dtype_bytes * (attn * self.num_layers + ffn + embed)),
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            kv_dtype_bytes=dtype_bytes,
+            weight_dtype_bytes=dtype_bytes,
+            is_tied_embeddings=self.is_tied_embeddings,
             source=f"runtime model config {self.name}",
         )
 
