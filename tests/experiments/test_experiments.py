@@ -8,8 +8,8 @@ from pathlib import Path
 from dualpath.cli.main import main
 from dualpath.experiments.offline import ablation, fig7, fig8
 from dualpath.experiments.online import fig10_11
-from dualpath.experiments.registry import resolve, run_experiments
-from dualpath.experiments.report import Context
+from dualpath.experiments.registry import assemble_report, resolve, run_experiments
+from dualpath.experiments.report import Context, section_markdown
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -91,3 +91,19 @@ def test_cli_advise(tmp_path: Path) -> None:
     rows = _rows(tmp_path / "advise.csv")
     assert {r["config"] for r in rows} == {"1P1D dualpath", "1P2D dualpath"}
     assert "Recommended" in (tmp_path / "advise.md").read_text()
+
+
+def test_assemble_report_from_sections_and_full_runs(tmp_path: Path) -> None:
+    out = tmp_path / "figures"
+    ctx = Context(out, is_quick=True, agents=(2,), mals=("32k",), setups=("ds27b_1p1d",))
+    report = tmp_path / "report.md"
+    for s in run_experiments(ctx, ["fig7"], report, "test"):
+        (out / f"section_{s.key}.md").write_text(section_markdown(s, out))
+    full = out / "full" / "big"
+    full.mkdir(parents=True)
+    (full / "section_fig7.md").write_text("## Fig. 7: offline JCT\n\n![x](fig7_x.png)\n")
+    rebuilt = assemble_report(out, tmp_path / "again.md").read_text()
+    assert "![fig7_ds27b_1p1d](figures/fig7_ds27b_1p1d.png)" in rebuilt
+    assert "## Full size: Fig. 7: offline JCT" in rebuilt
+    assert "](figures/full/big/fig7_x.png)" in rebuilt
+    assert "Where we differ from the paper" in rebuilt

@@ -112,14 +112,43 @@ def run_experiments(
             rev=_git_rev(), scale=ctx.scale, wall=time.perf_counter() - started,
             scale_note=QUICK_NOTE if ctx.is_quick else "", walls=walls,
         ) + "\n" + DIFFERENCES
+        ctx.path("header.md").write_text(header, encoding="utf-8")
         write_report(report, sections, header)
-        extra = included_sections(ctx.out_dir / "full", report.parent)
-        if extra:
-            with open(report, "a", encoding="utf-8") as f:
-                f.write("\n# Full-size runs\n\nSections written by earlier full-size "
-                        "`dualpath reproduce ... --out " + str(ctx.out_dir / "full") + "` runs "
-                        "(their own wall times stated), included verbatim.\n\n" + extra)
+        _append_full(ctx.out_dir, report)
     return sections
+
+
+def _append_full(out_dir: Path, report: Path) -> None:
+    extra = included_sections(out_dir / "full", report.parent)
+    if extra:
+        with open(report, "a", encoding="utf-8") as f:
+            f.write("\n# Full-size runs\n\nSections written by separate full-size "
+                    "`dualpath reproduce ... --out " + str(out_dir / "full") + "/...` runs "
+                    "(their own wall times stated), included verbatim.\n\n" + extra)
+
+
+def assemble_report(out_dir: Path, report: Path) -> Path:
+    """Rebuild `report` from the header and `section_*.md` files an earlier run left in
+    `out_dir` (and any full-size sections under `out_dir/full`), without simulating."""
+    header = out_dir / "header.md"
+    if not header.exists():
+        raise UnknownPresetError("report header", str(header), ["run `reproduce all` first"])
+    parts = [header.read_text(encoding="utf-8").rstrip(), ""]
+    for key in EXPERIMENTS:
+        sec = out_dir / f"section_{key}.md"
+        if sec.exists():
+            parts.append(_relink(sec.read_text(encoding="utf-8"), out_dir, report.parent))
+    report.write_text("\n".join(parts), encoding="utf-8")
+    _append_full(out_dir, report)
+    return report
+
+
+def _relink(text: str, folder: Path, report_dir: Path) -> str:
+    try:
+        prefix = str(folder.resolve().relative_to(report_dir.resolve()))
+    except ValueError:
+        prefix = str(folder.resolve())
+    return _LINK.sub(lambda m: "](" + prefix + "/" + str(m.group(1)) + ")", text)
 
 
 _LINK = re.compile(r"\]\((?!https?:|/)([^)]+)\)")
@@ -129,14 +158,8 @@ def included_sections(folder: Path, report_dir: Path) -> str:
     """The `section_*.md` files of `folder`, links rewritten relative to `report_dir`."""
     if not folder.is_dir():
         return ""
-    try:
-        base = folder.resolve().relative_to(report_dir.resolve())
-    except ValueError:
-        base = folder.resolve()
     parts = []
     for f in sorted(folder.rglob("section_*.md")):
-        prefix = str(base / f.parent.resolve().relative_to(folder.resolve()))
-        text = f.read_text(encoding="utf-8")
-        text = _LINK.sub(lambda m: "](" + prefix + "/" + str(m.group(1)) + ")", text)
+        text = _relink(f.read_text(encoding="utf-8"), f.parent, report_dir)
         parts.append(text.replace("## ", "## Full size: ", 1))
     return "\n".join(parts)

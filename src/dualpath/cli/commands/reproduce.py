@@ -16,7 +16,13 @@ from dualpath.experiments.calibrate import (
     calibration_to_json,
     write_fitted,
 )
-from dualpath.experiments.registry import ALIASES, EXPERIMENTS, resolve, run_experiments
+from dualpath.experiments.registry import (
+    ALIASES,
+    EXPERIMENTS,
+    assemble_report,
+    resolve,
+    run_experiments,
+)
 from dualpath.experiments.report import Context, section_markdown
 from dualpath.experiments.runner import Runner, RunSpec
 from dualpath.sim import SimResult
@@ -34,11 +40,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Run the paper's experiments in the simulator and write CSV, PNG and a markdown "
             "section per experiment into --out; `all` also writes the full report. "
             f"Experiments: {', '.join(EXPERIMENTS)} (aliases: {', '.join(ALIASES)}), all; "
-            "`calibrate` fits the cost coefficients to the paper's Fig. 7 Oracle JCTs."
+            "`calibrate` fits the cost coefficients to the paper's Fig. 7 Oracle JCTs; "
+            "`report` rebuilds the report from the sections an earlier run left in --out."
         ),
     )
     p.add_argument("experiments", nargs="+", metavar="EXPERIMENT",
-                   help="experiment names, `all`, or `calibrate`")
+                   help="experiment names, `all`, `calibrate` or `report`")
     p.add_argument("--quick", action="store_true",
                    help="scaled-down runs, same shapes (all of them in under 10 minutes)")
     p.add_argument("--out", type=Path, default=Path("docs/figures"),
@@ -90,7 +97,8 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
                               agent_divisor=8 if args.quick else 1)
         wall = time.perf_counter() - started
         records[name] = calibration_to_json(cal, wall)
-        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, RMS log residual {cal.rms_log_before:.3f} -> "
+        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, RMS log residual "
+              f"{cal.rms_log_before:.3f} -> "
               f"{cal.rms_log_after:.3f} ({cal.num_evals} evaluations, {wall:.0f} s)")
         for c in cal.cells:
             print(f"  {c.agents:>5} agents {c.mal}: paper {c.paper_s:,.0f} s, before "
@@ -110,10 +118,15 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
 def run(args: argparse.Namespace) -> int:
     ctx = Context(args.out, _logger(args.quiet), args.quick, tuple(int(a) for a in
                   _csv(args.agents)), _csv(args.mal), _csv(args.setups))
-    if "calibrate" in args.experiments:
-        if len(args.experiments) > 1:
-            raise ReproduceArgsError("`calibrate` runs alone")
+    for solo in ("calibrate", "report"):
+        if solo in args.experiments and len(args.experiments) > 1:
+            raise ReproduceArgsError(f"`{solo}` runs alone")
+    if args.experiments == ["calibrate"]:
         return _calibrate(args, ctx)
+    if args.experiments == ["report"]:
+        path = assemble_report(args.out, args.report or Path("docs/reproduction.md"))
+        print(f"report: {path}")
+        return 0
     keys = resolve(args.experiments)
     report = args.report
     if report is None and "all" in args.experiments:
