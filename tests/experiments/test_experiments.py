@@ -6,7 +6,8 @@ import csv
 from pathlib import Path
 
 from dualpath.cli.main import main
-from dualpath.experiments.offline import ablation, fig7, fig8
+from dualpath.experiments.extensions import split_reads, table3
+from dualpath.experiments.offline import ablation, fig7, fig8, fig9
 from dualpath.experiments.online import fig10_11
 from dualpath.experiments.registry import assemble_report, resolve, run_experiments
 from dualpath.experiments.report import Context, section_markdown
@@ -27,6 +28,12 @@ def test_fig7_writes_csv_png_and_paper_side_by_side(tmp_path: Path) -> None:
     png = tmp_path / "fig7_ds27b_1p1d.png"
     assert png in sec.files and png.stat().st_size > 5000
     assert "| agents | MAL | Oracle |" in sec.body
+
+
+def test_fig7_without_paper_values(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, agents=(2,), mals=("32k",), setups=("qwen32b_1p2d",))
+    fig7(ctx)
+    assert len(_rows(tmp_path / "fig7.csv")) == 3
 
 
 def test_report_assembles_sections_and_reuses_runs(tmp_path: Path) -> None:
@@ -90,7 +97,7 @@ def test_cli_advise(tmp_path: Path) -> None:
     assert code == 0
     rows = _rows(tmp_path / "advise.csv")
     assert {r["config"] for r in rows} == {"1P1D dualpath", "1P2D dualpath"}
-    assert "Recommended" in (tmp_path / "advise.md").read_text()
+    assert "Recommended" in (tmp_path / "section_advise.md").read_text()
 
 
 def test_assemble_report_from_sections_and_full_runs(tmp_path: Path) -> None:
@@ -104,6 +111,21 @@ def test_assemble_report_from_sections_and_full_runs(tmp_path: Path) -> None:
     (full / "section_fig7.md").write_text("## Fig. 7: offline JCT\n\n![x](fig7_x.png)\n")
     rebuilt = assemble_report(out, tmp_path / "again.md").read_text()
     assert "![fig7_ds27b_1p1d](figures/fig7_ds27b_1p1d.png)" in rebuilt
-    assert "## Full size: Fig. 7: offline JCT" in rebuilt
+    assert "## Separate run: Fig. 7: offline JCT" in rebuilt
     assert "](figures/full/big/fig7_x.png)" in rebuilt
     assert "Where we differ from the paper" in rebuilt
+
+
+def test_fig9_table3_split_tiny(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, agents=(2,), mals=("32k",),
+                  setups=("ds27b_1p1d",), online_duration_s=30.0)
+    fig9(ctx)
+    kinds = {(r["kind"], r["factor"]) for r in _rows(tmp_path / "fig9.csv")}
+    assert ("append", "0.5") in kinds and ("gen", "2") in kinds
+    sec = table3(ctx)
+    assert [r["cluster"] for r in _rows(tmp_path / "table3.csv")] == [
+        "2P4D", "4P8D", "2P4D", "4P8D"]
+    assert "large/small" in sec.body
+    sec = split_reads(ctx)
+    assert "**Verdict:**" in sec.body
+    assert {r["driver"] for r in _rows(tmp_path / "split_reads.csv")} == {"offline", "online"}

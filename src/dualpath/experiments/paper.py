@@ -38,8 +38,9 @@ def _raw() -> dict[str, Any]:
 
 
 def fig7(setup: str) -> list[Fig7Point]:
-    """All Fig. 7 cells of one setup (`ds27b_1p1d` or `ds660b_2p4d`)."""
-    rows = _raw()[setup]
+    """All Fig. 7 cells of one setup (`ds27b_1p1d` or `ds660b_2p4d`; none for others, e.g.
+    Qwen, whose values the digest does not give)."""
+    rows = _raw().get(setup, [])
     points = []
     for row in rows:
         jct = {s: float(row[s]) for s in SYSTEMS if row.get(s) is not None}

@@ -122,9 +122,10 @@ def _append_full(out_dir: Path, report: Path) -> None:
     extra = included_sections(out_dir / "full", report.parent)
     if extra:
         with open(report, "a", encoding="utf-8") as f:
-            f.write("\n# Full-size runs\n\nSections written by separate full-size "
-                    "`dualpath reproduce ... --out " + str(out_dir / "full") + "/...` runs "
-                    "(their own wall times stated), included verbatim.\n\n" + extra)
+            f.write("\n# Separate runs\n\nSections written by separate `dualpath reproduce "
+                    "... --out " + str(out_dir / "full") + "/...` runs (full-size Fig. 7 cells) "
+                    "and `dualpath advise --out ...`, each with its own scale and wall time, "
+                    "included verbatim.\n\n" + extra)
 
 
 def assemble_report(out_dir: Path, report: Path) -> Path:
@@ -161,5 +162,5 @@ def included_sections(folder: Path, report_dir: Path) -> str:
     parts = []
     for f in sorted(folder.rglob("section_*.md")):
         text = _relink(f.read_text(encoding="utf-8"), f.parent, report_dir)
-        parts.append(text.replace("## ", "## Full size: ", 1))
+        parts.append(text.replace("## ", "## Separate run: ", 1))
     return "\n".join(parts)

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--duration", type=float, default=0.0, metavar="S",
                    help="simulated seconds per online run (default: 600 quick, 2,400 full)")
     p.add_argument("--out", type=Path, default=Path("advise_out"),
-                   help="folder for advise.csv and advise.md (default: %(default)s)")
+                   help="folder for advise.csv and section_advise.md (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = Context(args.out, Runner(on_run=on_run), args.quick, mals=(args.trace,),
                   online_duration_s=args.duration)
     cands, section = advise(ctx, name, pds, modes, args.steps)
-    md = ctx.path("advise.md")
+    md = ctx.path("section_advise.md")
     md.write_text(section_markdown(section, ctx.out_dir) + "\n", encoding="utf-8")
     best = cands[0]
     print(f"recommended: {best.label}: {best.capacity_aps:.3f} APS under the SLO on "
