@@ -48,6 +48,7 @@ def test_report_assembles_sections_and_reuses_runs(tmp_path: Path) -> None:
     specs = [s for s, _ in ctx.runner.log]
     assert len(specs) == len(set(specs))
     assert sum(1 for s in specs if s.mode == "basic" and not s.num_prefill_nodes) == 1
+    assert sum(1 for s in specs if s.mode == "basic") == 3  # 1P1D shared, 2P1D, 1P2D
 
 
 def test_ablation_and_balance(tmp_path: Path) -> None:

@@ -42,8 +42,13 @@ class RunSpec:
             raise SpecError("run", "mal", self.mal, f"must be one of {', '.join(MAL_TOKENS)}")
         if self.num_agents < 1:
             raise SpecError("run", "num_agents", self.num_agents, "must be >= 1")
-        setup(self.setup)
+        s = setup(self.setup)
         mode_preset(self.mode)
+        # The setup's own P/D spelled out is the same run as the default: one cache key.
+        if (self.num_prefill_nodes, self.num_decode_nodes) == (s.num_prefill_nodes,
+                                                               s.num_decode_nodes):
+            object.__setattr__(self, "num_prefill_nodes", 0)
+            object.__setattr__(self, "num_decode_nodes", 0)
 
     @property
     def is_online(self) -> bool:
