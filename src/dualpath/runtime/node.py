@@ -136,6 +136,16 @@ def build_model(source: ModelSource) -> Any:
     return weights.load_checkpoint(Path(source.path))
 
 
+def model_config(source: ModelSource) -> Any:
+    """The `ModelConfig` of `source` without loading weights (what the driver needs)."""
+    from dualpath.runtime import weights
+
+    if source.kind == "tiny":
+        return weights.tiny_config()
+    folder = weights.smollm2_folder() if source.kind == "smollm2" else Path(source.path)
+    return weights.config_from_hf(folder)
+
+
 @dataclass
 class ReadJob:
     """Allocate `num_slots` buffer slots, then read `blocks` (index, key) into slots[index].

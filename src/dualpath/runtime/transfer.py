@@ -151,6 +151,8 @@ class NixlTransferEngine:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self._name = f"{name_prefix}node{node}"
+        # The progress thread is needed (the target side of a UCX transfer must progress too);
+        # it polls a core, which costs CPU on small machines: `shm` avoids that.
         self._agent: Any = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
         self._array = np.frombuffer(view, dtype=np.uint8)
         self._base = int(self._array.ctypes.data)
