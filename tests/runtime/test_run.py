@@ -5,9 +5,11 @@ generate the same tokens; and the `dualpath run` command with real node processe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualpath.cli.main import main
 from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
@@ -40,6 +42,15 @@ def busiest_snic_s(r: RunResult) -> float:
     """The run's lower bound set by storage reads: the busiest storage NIC's busy time."""
     return max(u * r.jct_s for u in r.snic_read_utilization().values())
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Node threads share this process: intra-op thread pools would only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
