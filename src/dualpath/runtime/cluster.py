@@ -292,6 +292,8 @@ class Cluster:
         self._prefix = f"dp{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
         self._procs: list[Any] = []
         self._is_closed = False
+        self.failure_traceback = ""
+        """Traceback of the node failure that aborted the run, if any (for debugging)."""
         if cfg.launch == "process":
             ctx = mp.get_context("spawn")
             self._sched_q: Inbox = ctx.Queue()
@@ -345,7 +347,8 @@ class Cluster:
                 return None
             raise RunError(f"no message from the nodes within {timeout_s:g} s") from None
         if isinstance(msg, NodeFailed):
-            raise RunError(f"node {msg.node} failed:\n{msg.error}")
+            self.failure_traceback = msg.traceback
+            raise RunError(f"node {msg.node} failed: {msg.error}")
         return msg
 
     def _connect(self, timeout_s: float = 300.0) -> None:

@@ -155,10 +155,12 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class NodeFailed:
-    """A node thread raised; the run is aborted with this message."""
+    """A node (or one of its threads) raised; the run is aborted with `error`."""
 
     node: int
     error: str
+    """The exception, one line (`Type: message`)."""
+    traceback: str = ""
 
 
 Message = (

@@ -195,7 +195,8 @@ class NodeContext:
         self.write_queue: queue.Queue[tuple[bytes, int] | Callable[[], None] | None] = queue.Queue()
         """(key, slot) to persist, or a callback to run once every earlier write is done."""
         self.store_counters: dict[str, int] = defaultdict(int)
-        self.failure: list[str] = []
+        self.failure: list[tuple[str, str]] = []
+        """(one-line error, traceback) of every thread that raised."""
 
     def count(self, path: str, num_bytes: int) -> None:
         with self._lock:
@@ -306,8 +307,10 @@ def run_node(
 
         ctx = NodeContext(cfg, send)
         _serve(ctx, inbox)
-    except BaseException:
-        scheduler.put(NodeFailed(cfg.node, traceback.format_exc(limit=8)))
+    except _NodeThreadFailed as exc:
+        scheduler.put(NodeFailed(cfg.node, exc.error, exc.trace))
+    except BaseException as exc:  # the driver must learn why the node died
+        scheduler.put(NodeFailed(cfg.node, _one_line(exc), traceback.format_exc(limit=8)))
     finally:
         if ctx is not None:
             ctx.transfer.close()
@@ -350,7 +353,7 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     early: dict[int, list[Message]] = defaultdict(list)
     while True:
         if ctx.failure:
-            raise RuntimeError(ctx.failure[0])
+            raise _NodeThreadFailed(*ctx.failure[0])
         now = time.monotonic()
         if not is_fetch_out and now >= next_fetch_at:
             # read_q is a node value: every engine reports the same snapshot of it.
@@ -392,6 +395,18 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     ctx.send(None, ctx.stats())
 
 
+class _NodeThreadFailed(Exception):
+    def __init__(self, error: str, trace: str) -> None:
+        super().__init__(error)
+        self.error = error
+        self.trace = trace
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _warm_up(model: Any, layout: KVLayout) -> None:
     """One short generation before the node reports up, so first-call costs (kernel selection,
     allocator growth) are not charged to the first request of the run."""
@@ -405,7 +420,7 @@ def _guard(ctx: NodeContext, fn: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         try:
             fn()
-        except BaseException:
-            ctx.failure.append(traceback.format_exc(limit=8))
+        except BaseException as exc:  # surfaced by the node loop
+            ctx.failure.append((_one_line(exc), traceback.format_exc(limit=8)))
 
     return run

@@ -1,0 +1,123 @@
+"""The scheduler process's state around `dualpath.sched` (no processes): DE-first binding,
+HBM promised but not yet delivered counts against a DE, read plans reach both engines; and a
+node failure ends a run with a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualpath.core.blocks import block_keys
+from dualpath.runtime.cluster import Cluster, RunConfig, RunError, agents_from_lengths
+from dualpath.runtime.messages import EngineLoad, Fetch
+from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
+from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.types import WaitingRequest
+
+BS = 64
+KV = 1024  # bytes per token
+
+
+def make(forced: str | None = None) -> RuntimeScheduler:
+    params = SchedulerParams(
+        alpha_tokens=1e9,
+        beta_tokens=1e9,
+        kv_bytes_per_token=KV,
+        block_size_tokens=BS,
+        path_mode=PathMode.DUAL,
+    )
+    return RuntimeScheduler(SchedulerConfig(params, 1, 1, 2, forced_read_side=forced))
+
+
+def submit(s: RuntimeScheduler, rid: int, prompt: int, hit_blocks: int, gen: int = 8) -> None:
+    tokens = tuple(range(prompt))
+    s.submit(
+        Submitted(
+            WaitingRequest(rid, prompt, hit_blocks * BS, gen),
+            tokens,
+            tuple(block_keys(tokens, BS)),
+            0.0,
+            rid,
+        )
+    )
+
+
+def loads(node: int, free_hbm: int, read_q: int = 0) -> tuple[EngineLoad, ...]:
+    return tuple(EngineLoad(node * 2 + i, 0, 0, read_q, free_hbm) for i in range(2))
+
+
+def test_de_first_then_pe_with_read_plans_for_both_sides() -> None:
+    s = make()
+    submit(s, 1, 300, 4)
+    submit(s, 2, 200, 2)
+    assert s.on_fetch(Fetch(0, loads(0, 1 << 30))).prefill == ()  # no DE bound yet
+    assert s.on_fetch(Fetch(1, loads(1, 1 << 30))).decode == ()  # bound, plan not known yet
+    pe = s.on_fetch(Fetch(0, loads(0, 1 << 30)))
+    assert [t.request_id for t in pe.prefill] == [1, 2]
+    de = s.on_fetch(Fetch(1, loads(1, 1 << 30)))
+    assert [t.request_id for t in de.decode] == [1, 2]
+    for p, d in zip(pe.prefill, de.decode, strict=True):
+        assert (p.de_engine, p.num_pe_blocks, p.num_hit_blocks) == (
+            d.de_engine,
+            d.num_pe_blocks,
+            d.num_hit_blocks,
+        )
+        assert p.de_node == 1 and d.pe_node == 0
+    assert s.num_waiting == 0
+
+
+def test_undelivered_requests_count_against_the_des_memory() -> None:
+    s = make()
+    need = (300 + 8) * KV  # prompt + generated tokens' KV
+    for rid in range(3):
+        submit(s, rid, 300, 4)
+    # Each DE has room for exactly one request.
+    s.on_fetch(Fetch(1, loads(1, need)))
+    assert s.num_waiting == 3
+    s.on_fetch(Fetch(0, loads(0, 1 << 30)))
+    # The node has not received its two requests yet and still reports the same free memory:
+    # the scheduler must not bind the third one to either DE.
+    assert s.on_fetch(Fetch(1, loads(1, need))).decode != ()
+    s.on_fetch(Fetch(0, loads(0, 1 << 30)))
+    assert s.num_waiting == 1
+
+
+def test_forced_de_side_reads_every_hit_on_the_de_node() -> None:
+    s = make(forced="de")
+    submit(s, 1, 300, 4)
+    s.on_fetch(Fetch(1, loads(1, 1 << 30)))
+    (task,) = s.on_fetch(Fetch(0, loads(0, 1 << 30, read_q=0))).prefill
+    assert task.num_pe_blocks == 0 and task.num_hit_blocks == 4
+
+
+def test_submitting_twice_is_refused() -> None:
+    s = make()
+    submit(s, 1, 100, 1)
+    with pytest.raises(Exception, match="submitted twice"):
+        submit(s, 1, 100, 1)
+
+
+def test_node_failure_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    # A 2-block DE/PE buffer cannot hold a 5-block prompt: the node's reader fails.
+    cfg = RunConfig(
+        mode="dualpath",
+        store_root=str(tmp_path),
+        launch="thread",
+        num_prefill_nodes=1,
+        num_decode_nodes=1,
+        engines_per_node=1,
+        buffer_bytes=2 * 64 * KV,
+        hbm_bytes=1 << 20,
+        transfer_kind="shm",
+    )
+    cluster = Cluster(cfg)
+    with pytest.raises(
+        RunError,
+        match=r"^node \d failed: BufferFullError: .*5 slots requested, "
+        r"pool holds 2",
+    ) as info:
+        cluster.run(agents_from_lengths([([300], [2])], cluster.vocab_size, 0), timeout_s=60)
+    assert "\n" not in str(info.value)
+    assert "Traceback" in cluster.failure_traceback
+    cluster.close()
