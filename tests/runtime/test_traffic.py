@@ -120,3 +120,13 @@ def test_node_nics_name_every_port() -> None:
     ]
     assert nics.storage_read.config.rate_bytes_per_s == 1e6
     assert nics.compute_tx[1].config.rate_bytes_per_s == 4e6
+
+
+def test_reservations_hold_the_port_back_to_back() -> None:
+    port = Port(PortConfig("snic", 1e6))
+    first = port.reserve(100_000)
+    second = port.reserve(50_000)
+    # The second transfer starts where the first ends: no gap, no overlap.
+    assert second - first == pytest.approx(0.05)
+    assert port.stats.busy_s == pytest.approx(0.15)
+    assert port.stats.total_bytes == 150_000

@@ -293,6 +293,7 @@ class Cluster:
         self._procs: list[Any] = []
         self._is_closed = False
         self.failure_traceback = ""
+        self._failed_nodes: set[int] = set()
         """Traceback of the node failure that aborted the run, if any (for debugging)."""
         if cfg.launch == "process":
             ctx = mp.get_context("spawn")
@@ -347,6 +348,7 @@ class Cluster:
                 return None
             raise RunError(f"no message from the nodes within {timeout_s:g} s") from None
         if isinstance(msg, NodeFailed):
+            self._failed_nodes.add(msg.node)
             self.failure_traceback = msg.traceback
             raise RunError(f"node {msg.node} failed: {msg.error}")
         return msg
@@ -467,7 +469,10 @@ class Cluster:
             inbox.put(Shutdown())
         stats: dict[int, NodeStats] = {}
         deadline = time.monotonic() + timeout_s
-        while len(stats) < len(self._procs) and time.monotonic() < deadline:
+        # A failed node sends no stats; it has already left its loop.
+        while (
+            len(stats) + len(self._failed_nodes) < len(self._procs) and time.monotonic() < deadline
+        ):
             try:
                 msg = self._sched_q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
@@ -475,7 +480,7 @@ class Cluster:
             if isinstance(msg, NodeStats):
                 stats[msg.node] = msg
             elif isinstance(msg, NodeFailed):
-                break
+                self._failed_nodes.add(msg.node)
         for p in self._procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if isinstance(p, mp.process.BaseProcess) and p.is_alive():

@@ -48,7 +48,7 @@ from dualpath.runtime.messages import (
     Shutdown,
 )
 from dualpath.runtime.store import BlockStore
-from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager
+from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager, sleep_until
 from dualpath.runtime.transfer import TransferEngine, make_transfer_engine
 
 
@@ -244,8 +244,11 @@ def _reader_loop(ctx: NodeContext) -> None:
         is_broken = False
         for index, key in job.blocks:
             if not is_broken:
+                # The emulated transfer runs while the real read happens (then we wait for it).
+                done_at = ctx.nics.storage_read.reserve(ctx.layout.full_block_bytes)
                 ok = store.get_into(key, ctx.pool.slot(job.slots[index]))
-                ctx.charge([ctx.nics.storage_read], ctx.layout.full_block_bytes, "snic_read")
+                ctx.count("snic_read", ctx.layout.full_block_bytes)
+                sleep_until(done_at)
                 if ok:
                     valid += 1
                 else:
@@ -270,8 +273,10 @@ def _writer_loop(ctx: NodeContext) -> None:
             item()
             continue
         key, slot = item
+        done_at = ctx.nics.storage_write.reserve(ctx.layout.full_block_bytes)
         store.put(key, ctx.pool.slot(slot), overwrite=False)
-        ctx.charge([ctx.nics.storage_write], ctx.layout.full_block_bytes, "snic_write")
+        ctx.count("snic_write", ctx.layout.full_block_bytes)
+        sleep_until(done_at)
         ctx.pool.free([slot])
         ctx.store_counters["num_puts"] = store.counters.num_puts
 

@@ -169,6 +169,21 @@ class Port:
             self._deficit[other] += weights[other] * self.config.chunk_bytes
         return self._turn
 
+    def reserve(self, num_bytes: int, traffic_class: TrafficClass = TrafficClass.LOW) -> float:
+        """Hold the port for `num_bytes` at once, without waiting; return the wall time at which
+        they have passed. For a port with a single FIFO user (a node's storage reader or
+        writer), so the caller can do the real I/O while the emulated transfer runs and then
+        `sleep_until` the returned time: the port stays busy back to back."""
+        with self._cond:
+            self.stats.bytes_by_class[traffic_class] += num_bytes
+            if self.config.is_unlimited:
+                return time.monotonic()
+            duration = num_bytes / self.config.rate_bytes_per_s
+            self._busy_until = max(time.monotonic(), self._busy_until) + duration
+            self.stats.busy_s += duration
+            self._cond.notify_all()
+            return self._busy_until
+
     def wait_idle(self) -> None:
         """Sleep until every granted byte has passed the port."""
         with self._cond:
@@ -196,6 +211,13 @@ def _pace(ports: Sequence[Port], num_bytes: int, traffic_class: TrafficClass) ->
             finish = max(finish, port.grant(n, traffic_class))
         done += n
     return finish
+
+
+def sleep_until(t: float) -> None:
+    """Sleep until monotonic time `t` (no-op if it has passed)."""
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
 
 
 def _sleep_until(t: float) -> None:
