@@ -21,9 +21,6 @@ from multiprocessing import shared_memory
 from dualpath.core.errors import DualPathError
 from dualpath.core.validate import positive_int
 
-OWNED_SEGMENTS: set[str] = set()
-"""Names of the segments this process created (attaching to one of them must not untrack it)."""
-
 
 class BufferFullError(DualPathError):
     """A buffer allocation that can never be satisfied, or that timed out."""
@@ -45,8 +42,6 @@ class BufferPool:
         size = slot_bytes * num_slots
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
         self._is_owner = create
-        if create:
-            OWNED_SEGMENTS.add(name)
         self.view = memoryview(self._shm.buf)[:size]
         self._free = list(range(num_slots - 1, -1, -1))
         self._cond = threading.Condition()
@@ -119,4 +114,3 @@ class BufferPool:
             self._shm.close = lambda: None  # type: ignore[method-assign]
         if self._is_owner:
             self._shm.unlink()
-            OWNED_SEGMENTS.discard(self.name)

@@ -14,13 +14,12 @@ import importlib.util
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any, Protocol
 
 import numpy as np
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.buffers import OWNED_SEGMENTS
 
 Descriptor = tuple[int, int, int]
 """(local_offset, remote_offset, num_bytes) inside the two registered segments."""
@@ -72,15 +71,10 @@ def _check(descs: Sequence[Descriptor], local_size: int, remote_size: int) -> in
 
 
 def attach_shm(name: str) -> shared_memory.SharedMemory:
-    """Attach to a segment another process owns without adopting it: Python 3.11's resource
-    tracker would otherwise unlink the owner's segment when this process exits."""
-    shm = shared_memory.SharedMemory(name=name, create=False)
-    if name in OWNED_SEGMENTS:
-        return shm  # created by this process (thread launch): its owner unlinks it
-    # The tracker may be absent under some start methods; there is then nothing to undo.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+    """Attach to a segment another node owns. Python 3.11 registers an attached segment with
+    the resource tracker too; the nodes are all children (or threads) of one driver and share
+    its tracker, whose registry is a set, so the owner's unlink clears the one entry."""
+    return shared_memory.SharedMemory(name=name, create=False)
 
 
 class ShmTransferEngine:
