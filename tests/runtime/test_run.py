@@ -43,7 +43,6 @@ def busiest_snic_s(r: RunResult) -> float:
     return max(u * r.jct_s for u in r.snic_read_utilization().values())
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
     """Node threads share this process: intra-op thread pools would only contend."""
@@ -51,6 +50,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:

@@ -76,7 +76,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="MIB/S",
         help="compute NIC per engine, MiB/s (overrides preset and scale)",
     )
-    g.add_argument("--buffer-mib", type=int, default=256, help="DRAM buffer per node, MiB")
+    g.add_argument(
+        "--buffer-mib",
+        type=int,
+        help="DRAM buffer per node, MiB (default: the preset's, raised so that every agent's "
+        "longest prompt fits at once)",
+    )
     g.add_argument("--hbm-mib", type=int, default=1024, help="KV memory per decode engine, MiB")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument(
@@ -152,6 +157,19 @@ def _trajectories(args: argparse.Namespace) -> list[Any]:
     ]
 
 
+def _buffer_bytes(args: argparse.Namespace, preset_bytes: int) -> int:
+    """--buffer-mib, else the preset's buffer raised to hold one max-length prompt per agent
+    (plus slack for blocks being persisted). With every in-flight request able to hold its
+    slots on both sides at once, PE and DE buffers can never wait on each other in a cycle."""
+    if args.buffer_mib is not None:
+        return int(args.buffer_mib * MiB)
+    from dualpath.runtime.node import model_config
+
+    layout = model_config(_model_source(args)).kv_layout(args.block_size)
+    blocks_per_agent = -(-args.max_len // args.block_size) + 2
+    return max(preset_bytes, int(args.agents * blocks_per_agent * layout.full_block_bytes))
+
+
 def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
     from dualpath.runtime.cluster import RunConfig
 
@@ -172,7 +190,7 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
         engines_per_node=args.engines_per_node or hw.gpus_per_node,
         storage_nic_bytes_per_s=snic,
         compute_nic_bytes_per_s=cnic,
-        buffer_bytes=args.buffer_mib * MiB,
+        buffer_bytes=_buffer_bytes(args, hw.dram_buffer_bytes),
         hbm_bytes=args.hbm_mib * MiB,
         block_size=args.block_size,
         transfer_kind=args.transfer,
