@@ -25,9 +25,14 @@ These causes apply to every section; each section's tables show how large the di
    DRAM cache saturates them, as the paper states); flows share links max-min fairly; the
    compute-NIC QoS is a 99:1 two-class split; there is no RDMA or PCIe contention model beyond
    link capacities.
-5. **The SLO judgement.** The paper stops an online run when TTFT exceeds 4 s or at steady state
-   after 30 minutes; we judge means over the last two thirds of fixed-length runs (600 s quick,
-   2,400 s full) and abort a run when any turn waits more than 20 s.
+5. **The SLO judgement, and quick online runs are not steady.** The paper stops an online run
+   when TTFT exceeds 4 s or at steady state after 30 minutes; we judge means over the last two
+   thirds of fixed-length runs (600 s quick, 2,400 s full) and abort a run when any turn waits
+   more than 20 s. A 64K trajectory lives for hundreds to thousands of seconds (157 turns on
+   average), so in a 600 s run the agents are still in their early, short-context turns: load
+   and KV reads are far below steady state, and quick-scale capacities are overstated (by up to
+   an order of magnitude against the paper's 0.4 APS for DS 660B 2P4D). Quick online numbers
+   show the machinery, not the paper's capacities; only full-length runs can test Figs. 10-11.
 6. **Scale.** Table 3's 1,152-GPU runs (4 million turns) are out of reach of this 2-core machine;
    we scale the cluster by 2x (quick) or 4x (full) instead.
 """

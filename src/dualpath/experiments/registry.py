@@ -134,7 +134,9 @@ def assemble_report(out_dir: Path, report: Path) -> Path:
     header = out_dir / "header.md"
     if not header.exists():
         raise UnknownPresetError("report header", str(header), ["run `reproduce all` first"])
-    parts = [header.read_text(encoding="utf-8").rstrip(), ""]
+    # The differences section is prose kept in code: always the current version.
+    text = header.read_text(encoding="utf-8").split("## Where we differ from the paper")[0]
+    parts = [text.rstrip(), "", DIFFERENCES.rstrip(), ""]
     for key in EXPERIMENTS:
         sec = out_dir / f"section_{key}.md"
         if sec.exists():

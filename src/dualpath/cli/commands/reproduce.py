@@ -57,6 +57,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--mal", metavar="32k,64k", help="override MAL columns")
     p.add_argument("--setups", metavar="NAME,NAME",
                    help="override setups: ds660b_2p4d, ds27b_1p1d, qwen32b_1p2d")
+    p.add_argument("--online-duration", type=float, default=0.0, metavar="S",
+                   help="simulated seconds per online run (default: 600 quick, 2,400 full)")
     p.add_argument("--write", action="store_true",
                    help="calibrate: store the fitted coefficients in the packaged cost file")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
@@ -116,8 +118,15 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    ctx = Context(args.out, _logger(args.quiet), args.quick, tuple(int(a) for a in
-                  _csv(args.agents)), _csv(args.mal), _csv(args.setups))
+    if args.online_duration < 0:
+        raise ReproduceArgsError(f"--online-duration={args.online_duration}: must be >= 0")
+    try:
+        agents = tuple(int(a) for a in _csv(args.agents))
+    except ValueError:
+        raise ReproduceArgsError(
+            f"--agents={args.agents}: expected integers like 512,1024") from None
+    ctx = Context(args.out, _logger(args.quiet), args.quick, agents, _csv(args.mal),
+                  _csv(args.setups), args.online_duration)
     for solo in ("calibrate", "report"):
         if solo in args.experiments and len(args.experiments) > 1:
             raise ReproduceArgsError(f"`{solo}` runs alone")
