@@ -173,7 +173,10 @@ class PrefillEngine:
             if not num_hit:
                 return None, None
             blocks = [ctx.pool.slot(slots[i]) for i in range(num_hit)]
-            return lay.gather_layer(blocks, layer, hit_tokens)
+            # Straight from the buffer slots into engine memory (pinned slots on CUDA).
+            shape = (hit_tokens, 2, lay.num_kv_heads, lay.head_dim)
+            out = torch.empty(shape, dtype=lay.torch_dtype, device=self.model.device)
+            return lay.gather_layer(blocks, layer, hit_tokens, out=out)
 
         def send(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             if k.shape[0]:
