@@ -51,7 +51,6 @@ def run(tmp_path: Path, **overrides: object) -> RunResult:
     return cluster.run(agents, timeout_s=120)
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
     """Node threads share this process: intra-op thread pools would only contend."""
@@ -59,6 +58,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def cnic_bytes(r: RunResult, node: int, port: str) -> int:
+    """Bytes through the compute NICs of a node's engines in one direction."""
+    (stats,) = [n for n in r.nodes if n.node == node]
+    return sum(v for k, v in stats.port_bytes.items() if k.endswith(f"cnic.{port}"))
+
+
+def node_bytes(r: RunResult, node: int, path: str) -> int:
+    (stats,) = [n for n in r.nodes if n.node == node]
+    return stats.bytes_by_path.get(path, 0)
+
 
 @pytest.fixture(scope="module")
 def expected() -> dict[int, list[tuple[int, ...]]]:
@@ -73,8 +84,10 @@ def test_pe_read_path_matches_full_recompute(
     b = r.bytes_by_path()
     assert r.num_hit_tokens > 0 and b["pe_read"] == r.num_hit_tokens * 1024
     assert "de_read" not in b and "de_to_pe" not in b
-    # PE path: hit and miss KV both go to the DE buffer.
+    # PE path: hit and miss KV both go to the DE buffer, through the DE engine's CNIC too.
     assert b["pe_to_de"] >= b["pe_read"]
+    de_copies = node_bytes(r, 1, "h2d") + node_bytes(r, 1, "d2h")
+    assert cnic_bytes(r, node=1, port="rx") == b["pe_to_de"] + de_copies
     assert r.store_counters()["num_corrupt"] == 0
 
 
@@ -88,6 +101,8 @@ def test_de_read_path_matches_full_recompute(
     assert "pe_read" not in b
     # DE path: the hit KV crosses to the PE layer by layer; only miss KV comes back.
     assert b["de_to_pe"] == b["de_read"]
+    de_copies = node_bytes(r, 1, "h2d") + node_bytes(r, 1, "d2h")
+    assert cnic_bytes(r, node=1, port="tx") == b["de_to_pe"] + de_copies
     assert b["pe_to_de"] < b["de_to_pe"] + (r.num_prompt_tokens - r.num_hit_tokens) * 1024 * 2
 
 

@@ -37,6 +37,7 @@ from dualpath.runtime.messages import (
     Message,
     PrefillDone,
     PrefillTask,
+    RemoteCharge,
 )
 from dualpath.runtime.model import SamplingParams, sample_token
 from dualpath.runtime.node import NodeContext, ReadJob
@@ -188,6 +189,16 @@ class PrefillEngine:
             ]
             ctx.transfer.write(task.de_node, descs)
             ctx.charge([tx], len(descs) * lbb, "pe_to_de")
+
+        # The DE engine's compute NIC carries these bytes too, while they move: its rx the KV
+        # written into its buffer, its tx the DE-path hits read out of it. The initiator paces
+        # the transfers with its own ports; the DE's ports are held for them from now on.
+        ctx.send(task.de_node, RemoteCharge(task.de_engine, "rx", lay.num_layers * len(ship) * lbb))
+        if de_side:
+            ctx.send(
+                task.de_node,
+                RemoteCharge(task.de_engine, "tx", lay.num_layers * len(de_side) * lbb),
+            )
 
         state = self.model.begin_prefill(list(task.token_ids), hit_tokens)
         shipped: list[Future[None]] = []

@@ -119,6 +119,17 @@ class TurnDone:
 
 
 @dataclass(frozen=True)
+class RemoteCharge:
+    """Bytes a transfer moved through an engine of the receiving node: its compute NIC's
+    `port` ("rx" or "tx") is held for them, after the fact (the initiator paced the transfer
+    with its own port), so the remote engine's later transfers queue behind them."""
+
+    engine_id: int
+    port: str
+    num_bytes: int
+
+
+@dataclass(frozen=True)
 class NodeStats:
     """A node's counters at shutdown (bytes per path, port busy time, buffer use)."""
 
@@ -172,6 +183,7 @@ Message = (
     | PrefillDone
     | TurnDone
     | NodeStats
+    | RemoteCharge
     | NodeUp
     | Peers
     | Shutdown

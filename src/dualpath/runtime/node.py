@@ -46,6 +46,7 @@ from dualpath.runtime.messages import (
     NodeUp,
     Peers,
     PrefillTask,
+    RemoteCharge,
     Shutdown,
 )
 from dualpath.runtime.store import BlockStore
@@ -404,6 +405,11 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
                 engine.on_message(task)
                 # A peer may have answered before our own fetch brought the task.
                 pending.extend(early.pop(task.request_id, []))
+            continue
+        if isinstance(msg, RemoteCharge):
+            i = ctx.engine_index(msg.engine_id)
+            nic = ctx.nics.compute_rx if msg.port == "rx" else ctx.nics.compute_tx
+            nic[i].reserve(msg.num_bytes)
             continue
         request_id = getattr(msg, "request_id", None)
         if request_id is None:
