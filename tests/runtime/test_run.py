@@ -13,6 +13,8 @@ import torch
 
 from dualpath.cli.main import main
 from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
+from dualpath.workload.jsonl import TrajectoryFile, save_trajectories
+from dualpath.workload.trajectory import Trajectory
 
 MiB = 2**20
 # Eight agents: a long first prompt, then two short appends that hit ~1000 tokens of stored KV.
@@ -126,3 +128,33 @@ def test_run_command_with_node_processes(
 def test_run_command_rejects_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--model", "/nonexistent/model", "--mode", "basic"]) == 2
     assert "run.model='/nonexistent/model'" in capsys.readouterr().err
+
+
+def test_run_command_replays_a_trajectory_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agents.jsonl"
+    trajs = (Trajectory((150, 30), (3, 2), "a"), Trajectory((90, 80, 10), (2, 2, 2), "b"))
+    save_trajectories(path, TrajectoryFile(trajs))
+    args = [
+        "run",
+        "--mode",
+        "oracle",
+        "--trajectories",
+        str(path),
+        "--append-scale",
+        "1",
+        "--gen-scale",
+        "1",
+        "--launch",
+        "thread",
+        "--decode-nodes",
+        "1",
+        "--json",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)["oracle"]
+    assert out["num_turns"] == 5 and out["generated_tokens"] == 11
+    path.write_text(path.read_text().replace('"gen_tokens"', '"gen_tokns"'))
+    assert main(args) == 2
+    assert f"{path}:2" in capsys.readouterr().err

@@ -106,6 +106,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     w = p.add_argument_group("workload (scaled-down synthetic trajectories)")
     w.add_argument("--workload", default="32k", help="synthetic preset: 32k, 48k, 64k")
+    w.add_argument(
+        "--trajectories",
+        metavar="FILE",
+        help="replay this trajectory JSONL file (first --agents trajectories, scaled and "
+        "truncated the same way) instead of synthetic ones",
+    )
     w.add_argument("--agents", type=int, default=8, help="agents (trajectories) to replay")
     w.add_argument(
         "--max-len",
@@ -150,11 +156,13 @@ def _trajectories(args: argparse.Namespace) -> list[Any]:
 
     if args.agents < 1:
         raise SpecError("run", "agents", args.agents, "must be >= 1")
-    params = preset(args.workload).with_num_trajectories(args.agents)
-    return [
-        scale_lengths(t, args.append_scale, args.gen_scale, args.max_len)
-        for t in generate(params, seed=args.seed)
-    ]
+    if args.trajectories:
+        from dualpath.workload.jsonl import load_trajectories
+
+        source = list(load_trajectories(args.trajectories).trajectories[: args.agents])
+    else:
+        source = generate(preset(args.workload).with_num_trajectories(args.agents), args.seed)
+    return [scale_lengths(t, args.append_scale, args.gen_scale, args.max_len) for t in source]
 
 
 def _buffer_bytes(args: argparse.Namespace, preset_bytes: int) -> int:
