@@ -10,6 +10,14 @@ Modes (`ARCHITECTURE.md`): `basic` = PE read path only, no layerwise prefill, ro
 scheduling; `dualpath` = layerwise, the shorter-read-queue path choice, the paper's scheduler;
 `oracle` = dualpath with storage I/O and P-D transfers not paced (bytes still move, so outputs
 are the same).
+
+What is emulated and what is not: storage NICs (read and write per node) and compute NICs (tx and
+rx per engine, including the CNIC-assisted H2D/D2H copies and the receiving engine's side of
+P-D transfers) are rate limited; DRAM bandwidth (`M`) is not, and the high-priority class of the
+compute NICs carries nothing (engines are single-GPU: no collectives). A PE runs one request per
+forward pass (no compute-quota packing or chunked prefill yet). Buffers must hold the prompts in
+flight on both sides (`dualpath run` sizes them so); a PE and a DE buffer that are both too small
+could otherwise wait on each other.
 """
 
 from __future__ import annotations
