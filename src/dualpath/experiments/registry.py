@@ -85,8 +85,8 @@ QUICK_NOTE = """
 **Quick (scaled-down) runs:** the offline experiments use the paper's smallest agent count
 (512) instead of 512-4,096, fewer MAL columns and sweep points; online runs last 600
 simulated seconds instead of 2,400; Table 3 scales by 2x instead of 24x. The shapes are the
-paper's; the absolute sizes are not. Full-size results, where run, are in the sections marked
-"full".
+paper's; the absolute sizes are not. Larger runs, where made, are under "Separate runs" at
+the end.
 """
 
 
