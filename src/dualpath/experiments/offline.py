@@ -245,7 +245,7 @@ def ablation(ctx: Context) -> Section:
              f"**Paper:** {CLAIMS['fig13']} {CLAIMS['fig14']}\n\n"
              "Both with layerwise prefill and dual-path reads; only the scheduler differs.\n\n"
              + md_table(["metric", "round robin", "DualPath", "paper"], btab))
-    return Section("ablation", "Fig. 12 (right) ablation and Figs. 13-14 load balance", body,
+    return Section("fig12", "Fig. 12 (right) ablation and Figs. 13-14 load balance", body,
                    (csvp, png, bal_png), time.perf_counter() - started, ctx.scale)
 
 
