@@ -25,14 +25,23 @@ These causes apply to every section; each section's tables show how large the di
    DRAM cache saturates them, as the paper states); flows share links max-min fairly; the
    compute-NIC QoS is a 99:1 two-class split; there is no RDMA or PCIe contention model beyond
    link capacities.
-5. **The SLO judgement, and quick online runs are not steady.** The paper stops an online run
-   when TTFT exceeds 4 s or at steady state after 30 minutes; we judge means over the last two
-   thirds of fixed-length runs (600 s quick, 2,400 s full) and abort a run when any turn waits
-   more than 20 s. A 64K trajectory lives for hundreds to thousands of seconds (157 turns on
-   average), so in a 600 s run the agents are still in their early, short-context turns: load
-   and KV reads are far below steady state, and quick-scale capacities are overstated (by up to
-   an order of magnitude against the paper's 0.4 APS for DS 660B 2P4D). Quick online numbers
-   show the machinery, not the paper's capacities; only full-length runs can test Figs. 10-11.
-6. **Scale.** Table 3's 1,152-GPU runs (4 million turns) are out of reach of this 2-core machine;
+5. **The SLO judgement, and short online runs are not steady.** The paper stops an online
+   run when TTFT exceeds 4 s or at steady state after 30 minutes; we judge means over the last
+   two thirds of fixed-length runs and abort a run when any turn waits more than 20 s. A 64K
+   trajectory lives for hundreds to thousands of seconds (157 turns on average), so in a short
+   run the agents are still in their early, short-context turns: load and KV reads are below
+   steady state and capacities are overstated. Quick runs therefore use the 32K trace (60 turns)
+   for 600 s, which is closer to steady but still not the paper's setting; quick online numbers
+   show the machinery and the direction, not the paper's capacities.
+6. **Qwen2.5-32B is not calibrated.** The digest gives no Fig. 7 values for it, so its cost
+   coefficients are the packaged defaults, and the DualPath scheduler's 300 ms compute quota and
+   alpha/beta constants are derived from those unfitted costs. Where DualPath or Oracle comes
+   out slower than Basic for Qwen, the scheduler constants, not the I/O paths, are the suspect.
+7. **Balance metrics are defined by the simulator.** Storage-NIC Max/Avg is taken over all
+   nodes' bytes read (the paper: three machines); attention Max/Avg is the simulator's mean
+   over synchronized prefill steps of the slowest engine's attention time over the mean,
+   which counts engines that got no request in that step. Neither is guaranteed to match
+   how the paper measured Figs. 13-14.
+8. **Scale.** Table 3's 1,152-GPU runs (4 million turns) are out of reach of this 2-core machine;
    we scale the cluster by 2x (quick) or 4x (full) instead.
 """

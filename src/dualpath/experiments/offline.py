@@ -111,7 +111,7 @@ def fig8(ctx: Context) -> Section:
     pds = ((1, 1), (2, 1), (1, 2))
     agents = [int(str(a)) for a in _pick(ctx.agents, (512,) if ctx.is_quick
                                          else (512, 1024, 2048))]
-    mals = [str(m) for m in _pick(ctx.mals, ("64k",) if ctx.is_quick else ("32k", "48k", "64k"))]
+    mals = [str(m) for m in _pick(ctx.mals, ("32k",) if ctx.is_quick else ("32k", "48k", "64k"))]
     rows: list[list[object]] = []
     cats: list[str] = []
     series: dict[str, list[float]] = {}

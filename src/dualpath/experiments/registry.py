@@ -83,8 +83,9 @@ Experiments and their wall times:
 
 QUICK_NOTE = """
 **Quick (scaled-down) runs:** the offline experiments use the paper's smallest agent count
-(512) instead of 512-4,096, fewer MAL columns and sweep points; online runs last 600
-simulated seconds instead of 2,400; Table 3 scales by 2x instead of 24x. The shapes are the
+(512) instead of 512-4,096, fewer MAL columns and sweep points (Fig. 8 at 32K only); online
+runs use the 32K trace for 600 simulated seconds instead of the 64K trace for 2,400; Table 3
+scales by 2x instead of 24x. The shapes are the
 paper's; the absolute sizes are not. Larger runs, where made, are under "Separate runs" at
 the end.
 """
