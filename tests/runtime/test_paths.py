@@ -130,3 +130,30 @@ def test_corrupt_block_is_a_miss_and_recomputed(
     second = run(tmp_path, path_mode="de")
     assert second.outputs == expected
     assert second.store_counters()["num_corrupt"] > 0
+
+
+def test_chunked_prefill_matches_full_recompute_and_ships_each_block_once(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    """A 48-token cap per forward pass chunks every prompt (chunk ends not block aligned);
+    later chunks reuse the KV of the hit and of earlier chunks from the PE buffer."""
+    r = run(tmp_path, path_mode="pe", max_batch_tokens=48)
+    assert r.outputs == expected
+    counters = r.nodes[0].engine_counters
+    assert counters["num_chunked_entries"] >= sum(
+        (t.prompt_tokens - t.hit_tokens - 1) // 48 for t in r.turns
+    )
+    # PE path: every prompt block reaches the DE buffer exactly once, whatever the chunking.
+    num_blocks = sum(-(-t.prompt_tokens // 64) for t in r.turns)
+    assert r.bytes_by_path()["pe_to_de"] == num_blocks * 64 * 1024
+
+
+def test_quota_chunks_a_long_prompt_on_the_de_path(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    """A compute quota below one 300-token pass (cost-model estimate) chunks the prompt by
+    binary search; DE-side hits read into the PE buffer serve every chunk."""
+    r = run(tmp_path, path_mode="de", compute_quota_s=0.002)
+    assert r.outputs == expected
+    assert r.nodes[0].engine_counters["num_chunked_entries"] > 0
+    assert r.bytes_by_path()["de_to_pe"] == r.bytes_by_path()["de_read"]

@@ -1,17 +1,35 @@
 """The scheduler process's state around `dualpath.sched` (no processes): DE-first binding,
-HBM promised but not yet delivered counts against a DE, read plans reach both engines; and a
-node failure ends a run with a one-line error."""
+HBM promised but not yet delivered counts against a DE, read plans reach both engines; the
+scheduler's message loop; and a node or scheduler failure ends a run with a one-line error."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 
 import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.runtime.cluster import Cluster, RunConfig, RunError, agents_from_lengths
-from dualpath.runtime.messages import EngineLoad, Fetch
-from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
+from dualpath.runtime.messages import (
+    EngineLoad,
+    Fetch,
+    Fetched,
+    Message,
+    NodeFailed,
+    NodeStats,
+    SchedulerStats,
+    Shutdown,
+    TurnDone,
+)
+from dualpath.runtime.scheduler import (
+    SCHEDULER_NODE,
+    RuntimeScheduler,
+    SchedulerConfig,
+    Submitted,
+    serve_scheduler,
+)
 from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import WaitingRequest
 
@@ -121,3 +139,73 @@ def test_node_failure_ends_the_run_with_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
     assert "Traceback" in cluster.failure_traceback
     cluster.close()
+
+
+def _submitted(rid: int, prompt: int, hit_blocks: int, gen: int = 8) -> Submitted:
+    tokens = tuple(range(prompt))
+    return Submitted(
+        WaitingRequest(rid, prompt, hit_blocks * BS, gen),
+        tokens,
+        tuple(block_keys(tokens, BS)),
+        0.0,
+        rid,
+    )
+
+
+def reply(q: queue.Queue[Message]) -> Fetched:
+    msg = q.get(timeout=5)
+    assert isinstance(msg, Fetched)
+    return msg
+
+
+def test_scheduler_process_serves_fetches_by_messages_only() -> None:
+    """`serve_scheduler` (here a thread, in `dualpath run` a process) gets turns from the
+    driver and fetches from the group leaders, answers each leader on its own inbox (an empty
+    reply after the long poll), forwards TurnDone and node messages to the driver, and sends
+    its stats on Shutdown."""
+    params = SchedulerParams(
+        alpha_tokens=1e9, beta_tokens=1e9, kv_bytes_per_token=KV, block_size_tokens=BS
+    )
+    inbox: queue.Queue[Message] = queue.Queue()
+    nodes: dict[int, queue.Queue[Message]] = {0: queue.Queue(), 1: queue.Queue()}
+    driver: queue.Queue[Message] = queue.Queue()
+    cfg = SchedulerConfig(params, 1, 1, 2)
+    t = threading.Thread(target=serve_scheduler, args=(cfg, inbox, nodes, driver, 0.02))
+    t.start()
+    try:
+        inbox.put(Fetch(0, loads(0, 1 << 30)))
+        assert reply(nodes[0]) == Fetched()  # nothing to do: answered after the poll
+        inbox.put(_submitted(1, 300, 2))
+        inbox.put(Fetch(1, loads(1, 1 << 30)))  # binds a DE
+        assert reply(nodes[1]) == Fetched()
+        inbox.put(Fetch(0, loads(0, 1 << 30)))
+        (task,) = reply(nodes[0]).prefill
+        assert task.request_id == 1 and task.de_node == 1
+        inbox.put(Fetch(1, loads(1, 1 << 30)))
+        (dtask,) = reply(nodes[1]).decode
+        assert dtask.de_engine == task.de_engine
+        done = TurnDone(1, (5, 6), 1.0, 2.0)
+        inbox.put(done)
+        inbox.put(NodeStats(node=0))
+        assert driver.get(timeout=5) == done
+        assert driver.get(timeout=5) == NodeStats(node=0)
+    finally:
+        inbox.put(Shutdown())
+        t.join(timeout=5)
+    stats = driver.get(timeout=5)
+    # Every answer of a parked fetch counts too.
+    assert isinstance(stats, SchedulerStats) and stats.num_fetches >= 4
+
+
+def test_scheduler_failure_reaches_the_driver_as_one_line() -> None:
+    params = SchedulerParams(
+        alpha_tokens=1e9, beta_tokens=1e9, kv_bytes_per_token=KV, block_size_tokens=BS
+    )
+    inbox: queue.Queue[Message] = queue.Queue()
+    driver: queue.Queue[Message] = queue.Queue()
+    inbox.put(_submitted(1, 100, 1))
+    inbox.put(_submitted(1, 100, 1))
+    serve_scheduler(SchedulerConfig(params, 1, 1, 2), inbox, {}, driver)
+    failed = driver.get(timeout=5)
+    assert isinstance(failed, NodeFailed) and failed.node == SCHEDULER_NODE
+    assert "submitted twice" in failed.error and "\n" not in failed.error

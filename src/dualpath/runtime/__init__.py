@@ -17,9 +17,12 @@ Module map (imports flow downward; never imports `dualpath.sim`):
 - `transfer`  engine-to-engine transfers between registered segments: NIXL (UCX) or shared
               memory, one interface.
 - `messages`  the typed messages between scheduler and nodes and between nodes.
-- `scheduler` the scheduler process's queues and bindings around `dualpath.sched`.
+- `scheduler` the scheduler process (`serve_scheduler`): queues and bindings around
+              `dualpath.sched`, answers group leaders' fetches, forwards to the driver.
 - `node`      one node: pool, NICs, storage reader/writer threads, engine threads, fetch loop.
-- `engine_pe` the prefill engine: PE / DE read paths layer by layer, KV shipped to the DE.
+- `engine_pe` the prefill engine: forward passes packed under a compute quota (chunked
+              prefill), PE / DE read paths layer by layer, KV shipped to the DE.
 - `engine_de` the decode engine: prompt KV from the DE buffer, batched decode, persistence.
-- `cluster`   nodes as processes (or threads), the agent replay driver, `RunResult`.
+- `cluster`   the scheduler and nodes as processes (or threads), the thin agent replay
+              driver, `RunResult`.
 """

@@ -1,7 +1,8 @@
 """An emulated PD-disaggregated cluster on one machine, and the offline agentic batch driver.
 
-`Cluster` starts one node per process (or per thread, for fast tests), wires their message
-queues, runs the scheduler (`scheduler.RuntimeScheduler`) in the calling process and replays
+`Cluster` starts the scheduler (`scheduler.serve_scheduler`) and one node per process (or
+each per thread, for fast tests) and wires their message queues; the calling process is only
+the driver (a client): it submits turns to the scheduler and learns of finished ones. It replays
 agents: each agent's next turn is submitted when its previous turn is done, with the context
 grown by the turn's real output and the next append (so the previous turn's persisted blocks
 are the next turn's cache hits). Nodes `[0, P)` are prefill nodes, `[P, P+D)` decode nodes.
@@ -14,8 +15,9 @@ are the same).
 What is emulated and what is not: storage NICs (read and write per node) and compute NICs (tx and
 rx per engine, including the CNIC-assisted H2D/D2H copies and the receiving engine's side of
 P-D transfers) are rate limited; DRAM bandwidth (`M`) is not, and the high-priority class of the
-compute NICs carries nothing (engines are single-GPU: no collectives). A PE runs one request per
-forward pass (no compute-quota packing or chunked prefill yet). Buffers must hold the prompts in
+compute NICs carries nothing (engines are single-GPU: no collectives). A PE packs each forward
+pass under a compute quota (`sched.pack_prefill_batch`, chunking a prompt that does not fit) and
+runs the packed requests back to back per layer (`engine_pe`). Buffers must hold the prompts in
 flight on both sides (`dualpath run` sizes them so); a PE and a DE buffer that are both too small
 could otherwise wait on each other.
 """
@@ -38,17 +40,18 @@ from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.validate import positive, positive_int
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
-    Fetch,
     Message,
     NodeFailed,
     NodeStats,
     NodeUp,
     Peers,
+    SchedulerStats,
     Shutdown,
+    Submitted,
     TurnDone,
 )
 from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
-from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
+from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.params import PathMode, SchedulerParams
@@ -95,6 +98,10 @@ class RunConfig:
     """Where the dual-path rule reads when both read queues are equal (sched default: PE)."""
     is_cache_enabled: bool = True
     """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
+    compute_quota_s: float = 0.3
+    """PE forward-pass quota of estimated attention time (paper A.4: 300 ms)."""
+    max_batch_tokens: int | None = None
+    """Optional cap on the new tokens of one PE forward pass (None: the quota alone)."""
 
     def __post_init__(self) -> None:
         owner = "run"
@@ -117,6 +124,9 @@ class RunConfig:
             positive_int(owner, name, getattr(self, name))
         positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
         positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
+        positive(owner, "compute_quota_s", self.compute_quota_s)
+        if self.max_batch_tokens is not None:
+            positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
 
     @property
     def is_layerwise(self) -> bool:
@@ -303,16 +313,37 @@ class Cluster:
         self.failure_traceback = ""
         self._failed_nodes: set[int] = set()
         """Traceback of the node failure that aborted the run, if any (for debugging)."""
-        if cfg.launch == "process":
+        self._num_fetches = 0
+        is_process = cfg.launch == "process"
+        if is_process:
             ctx = mp.get_context("spawn")
             self._sched_q: Inbox = ctx.Queue()
+            self._driver_q: Inbox = ctx.Queue()
             self._inboxes: dict[int, Inbox] = {n: ctx.Queue() for n in range(cfg.num_nodes)}
         else:
             self._sched_q = queue.Queue()
+            self._driver_q = queue.Queue()
             self._inboxes = {n: queue.Queue() for n in range(cfg.num_nodes)}
+        sched_cfg = SchedulerConfig(
+            params=scheduler_params(cfg, self.layout),
+            num_prefill_nodes=cfg.num_prefill_nodes,
+            num_decode_nodes=cfg.num_decode_nodes,
+            engines_per_node=cfg.engines_per_node,
+            is_round_robin=cfg.mode == "basic",
+            forced_read_side="de" if cfg.path_mode == "de" else None,
+        )
+        sched_args = (sched_cfg, self._sched_q, self._inboxes, self._driver_q)
+        if is_process:
+            self._scheduler: Any = mp.get_context("spawn").Process(
+                target=serve_scheduler, args=sched_args, name="dualpath-scheduler", daemon=True
+            )
+        else:
+            self._scheduler = threading.Thread(
+                target=serve_scheduler, args=sched_args, name="scheduler", daemon=True
+            )
+        self._scheduler.start()
         for n in range(cfg.num_nodes):
             ncfg = self._node_config(n)
-            is_process = cfg.launch == "process"
             args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q, is_process)
             if is_process:
                 proc: Any = mp.get_context("spawn").Process(
@@ -346,19 +377,22 @@ class Cluster:
             transfer_kind=cfg.transfer_kind,
             shm_prefix=self._prefix,
             fetch_interval_s=cfg.fetch_interval_s,
+            compute_quota_s=cfg.compute_quota_s,
+            max_batch_tokens=cfg.max_batch_tokens,
         )
 
     def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:
         try:
-            msg: Message = self._sched_q.get(timeout=timeout_s)
+            msg: Message = self._driver_q.get(timeout=timeout_s)
         except queue.Empty:
             if is_timeout_ok:
                 return None
-            raise RunError(f"no message from the nodes within {timeout_s:g} s") from None
+            raise RunError(f"no message from the cluster within {timeout_s:g} s") from None
         if isinstance(msg, NodeFailed):
             self._failed_nodes.add(msg.node)
             self.failure_traceback = msg.traceback
-            raise RunError(f"node {msg.node} failed: {msg.error}")
+            who = "scheduler" if msg.node == SCHEDULER_NODE else f"node {msg.node}"
+            raise RunError(f"{who} failed: {msg.error}")
         return msg
 
     def _connect(self, timeout_s: float = 300.0) -> None:
@@ -379,17 +413,9 @@ class Cluster:
     ) -> RunResult:
         """Replay `agents` (all start at once, offline batch) until every turn is done."""
         cfg = self.cfg
+        # The driver looks up each prompt's cache hit (what `WaitingRequest` carries); the
+        # scheduler process decides everything else.
         store = BlockStore(cfg.store_root, self.layout.full_block_bytes, is_durable=False)
-        sched = RuntimeScheduler(
-            SchedulerConfig(
-                params=scheduler_params(cfg, self.layout),
-                num_prefill_nodes=cfg.num_prefill_nodes,
-                num_decode_nodes=cfg.num_decode_nodes,
-                engines_per_node=cfg.engines_per_node,
-                is_round_robin=cfg.mode == "basic",
-                forced_read_side="de" if cfg.path_mode == "de" else None,
-            )
-        )
         contexts = {a.agent_id: [] for a in agents}  # type: dict[int, list[int]]
         next_turn = {a.agent_id: 0 for a in agents}
         by_agent = {a.agent_id: a for a in agents}
@@ -408,7 +434,7 @@ class Cluster:
             if not cfg.is_cache_enabled:
                 num_hit = 0
             rid = next(request_ids)
-            sched.submit(
+            self._sched_q.put(
                 Submitted(
                     request=WaitingRequest(rid, len(prompt), num_hit * bs, agent.gen_tokens[k]),
                     token_ids=tuple(prompt),
@@ -424,52 +450,33 @@ class Cluster:
         started_at = time.time()
         for a in agents:
             submit(a)
-        # Long poll: a fetch that finds no work is parked and retried whenever something
-        # changes, and answered empty after `max_park_s` so the node's report stays fresh.
-        # This keeps fetches pull-based without the nodes polling the scheduler in a busy loop.
-        parked: dict[int, tuple[float, Fetch]] = {}
-        max_park_s = 0.05
-
-        def answer(fetch: Fetch, parked_at: float) -> None:
-            reply = sched.on_fetch(fetch)
-            if reply.prefill or reply.decode or time.monotonic() - parked_at >= max_park_s:
-                parked.pop(fetch.node, None)
-                self._inboxes[fetch.node].put(reply)
-            else:
-                parked[fetch.node] = (parked_at, fetch)
-
         while in_flight:
-            msg = self._get(max_park_s / 2 if parked else timeout_s, is_timeout_ok=bool(parked))
-            if isinstance(msg, Fetch):
-                answer(msg, time.monotonic())
-            elif isinstance(msg, TurnDone):
-                rec = in_flight.pop(msg.request_id)
-                sched.finished(msg.request_id)
-                rec.output_ids = msg.output_ids
-                rec.first_token_at = msg.first_token_at
-                rec.done_at = msg.done_at
-                records.append(rec)
-                outputs[rec.agent_id].append(msg.output_ids)
-                if on_turn is not None:
-                    on_turn(rec)
-                agent = by_agent[rec.agent_id]
-                contexts[agent.agent_id] += list(agent.appends[rec.turn_index])
-                contexts[agent.agent_id] += list(msg.output_ids)
-                next_turn[agent.agent_id] += 1
-                if next_turn[agent.agent_id] < len(agent.appends):
-                    submit(agent)
-            elif msg is not None:
-                raise RunError(f"scheduler: unexpected message {msg!r}")
-            just_parked = msg.node if isinstance(msg, Fetch) else None
-            for at, fetch in list(parked.values()):
-                if fetch.node != just_parked:
-                    answer(fetch, at)
+            msg = self._get(timeout_s)
+            if not isinstance(msg, TurnDone):
+                raise RunError(f"driver: unexpected message {type(msg).__name__}")
+            rec = in_flight.pop(msg.request_id)
+            rec.output_ids = msg.output_ids
+            rec.first_token_at = msg.first_token_at
+            rec.done_at = msg.done_at
+            records.append(rec)
+            outputs[rec.agent_id].append(msg.output_ids)
+            if on_turn is not None:
+                on_turn(rec)
+            agent = by_agent[rec.agent_id]
+            contexts[agent.agent_id] += list(agent.appends[rec.turn_index])
+            contexts[agent.agent_id] += list(msg.output_ids)
+            next_turn[agent.agent_id] += 1
+            if next_turn[agent.agent_id] < len(agent.appends):
+                submit(agent)
         finished_at = max((r.done_at for r in records), default=started_at)
         nodes = self.close()
-        return RunResult(cfg, records, nodes, started_at, finished_at, sched.num_fetches, outputs)
+        return RunResult(
+            cfg, records, nodes, started_at, finished_at, self._num_fetches, outputs
+        )
 
     def close(self, timeout_s: float = 30.0) -> list[NodeStats]:
-        """Stop every node; returns their counters (those that answered)."""
+        """Stop every node, then the scheduler; returns the nodes' counters (those that
+        answered; their stats reach the driver through the scheduler)."""
         if self._is_closed:
             return []
         self._is_closed = True
@@ -477,24 +484,44 @@ class Cluster:
             inbox.put(Shutdown())
         stats: dict[int, NodeStats] = {}
         deadline = time.monotonic() + timeout_s
-        # A failed node sends no stats; it has already left its loop.
+        # A failed node sends no stats; it has already left its loop. A failed scheduler
+        # forwards nothing.
+        is_sched_alive = SCHEDULER_NODE not in self._failed_nodes
         while (
-            len(stats) + len(self._failed_nodes) < len(self._procs) and time.monotonic() < deadline
+            is_sched_alive
+            and len(stats) + len(self._failed_nodes) < len(self._procs)
+            and time.monotonic() < deadline
         ):
-            try:
-                msg = self._sched_q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
+            msg = self._next_msg(deadline)
             if isinstance(msg, NodeStats):
                 stats[msg.node] = msg
             elif isinstance(msg, NodeFailed):
                 self._failed_nodes.add(msg.node)
-        for p in self._procs:
+                is_sched_alive = msg.node != SCHEDULER_NODE
+            elif msg is None:
+                break
+        if is_sched_alive:
+            self._sched_q.put(Shutdown())
+            while time.monotonic() < deadline:
+                msg = self._next_msg(deadline)
+                if isinstance(msg, SchedulerStats):
+                    self._num_fetches = msg.num_fetches
+                    break
+                if msg is None:
+                    break
+        for p in [*self._procs, self._scheduler]:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if isinstance(p, mp.process.BaseProcess) and p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
         return [stats[n] for n in sorted(stats)]
+
+    def _next_msg(self, deadline: float) -> Message | None:
+        try:
+            msg: Message = self._driver_q.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        return msg
 
     def __enter__(self) -> Cluster:
         return self

@@ -16,9 +16,26 @@ With `is_layerwise`, layer l+1's cached KV is fetched while layer l computes and
 ships while layer l+1 computes (two helper threads); without it (the Basic baseline) all cached
 KV is loaded before the forward pass starts.
 
+Intra-engine batching (paper §6.2): each forward pass is packed by
+`dualpath.sched.pack_prefill_batch` from the FIFO of runnable requests (reads done, DE buffer
+ready), under `compute_quota_s` of estimated attention time. The estimator is the cost model
+(`sched.CostModelEstimator`) for this model on the `cpu-emulated` preset, not fitted to this
+CPU's measured times. A request that does not fit whole is chunked: the chunk runs now and the
+rest stays at its place in the queue with the chunk's tokens counted as cached. The packed
+requests run back to back within the pass, layer by layer (the model prefills one sequence at a
+time), so per layer every entry's cached KV is fetched while the previous layer computes.
+
+Chunked prefill: chunk j computes tokens `[a, b)` after `a` cached tokens; layer l's KV of the
+chunk is written into the request's PE buffer slots (where the hit blocks already are, DE-side
+hits included once read over the compute network), so the next chunk gathers tokens `[0, b)`
+of each layer from the slots: the earlier chunks' KV is reused, not recomputed. Layerwise
+prefill keeps one layer in engine memory, so every chunk reloads its cached KV layer by layer
+(charged as H2D on the compute NIC; the first chunk charges the two read paths as above). A
+block is shipped to the DE once, by the chunk that completes it (PE-path hits by the first).
+
 Block-state invariant: a hit block is in exactly one of "being read into a buffer", "in the PE
 (or DE) buffer", "in PE engine memory" (the gathered layer tensor) at a time; PE buffer slots
-are freed only after every layer of the request has been written to the DE buffer.
+are freed only after every layer of the request's last chunk has been written to the DE buffer.
 """
 
 from __future__ import annotations
@@ -26,11 +43,12 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dualpath.core.hardware import hardware_preset
 from dualpath.runtime.messages import (
     DeBufferReady,
     EngineLoad,
@@ -41,6 +59,16 @@ from dualpath.runtime.messages import (
 )
 from dualpath.runtime.model import SamplingParams, sample_token
 from dualpath.runtime.node import NodeContext, ReadJob
+from dualpath.sched.batching import BatchEntry, PrefillItem, pack_prefill_batch
+from dualpath.sched.cost import AttentionTimeEstimator, CostModelEstimator, coefficients_for
+
+
+def runtime_estimator(model: Any) -> AttentionTimeEstimator:
+    """The attention-time estimator PEs pack with: the cost model of `model`'s config on the
+    `cpu-emulated` preset (packaged coefficients, not fitted to this machine)."""
+    spec = model.config.to_model_spec()
+    hw = hardware_preset("cpu-emulated")
+    return CostModelEstimator(spec, hw, coefficients_for(spec, hw))
 
 
 @dataclass
@@ -48,11 +76,24 @@ class _PeRequest:
     task: PrefillTask
     read: ReadJob
     de_ready: DeBufferReady | None = None
-    is_ready: threading.Event = field(default_factory=threading.Event)
+    num_hit_blocks: int = -1
+    """Usable hit blocks, resolved when the request first runs (-1: not yet)."""
+    num_pe_hit_blocks: int = 0
+    cached_tokens: int = 0
+    """Tokens whose KV is in the PE buffer slots: the hit, then every chunk computed."""
+    started_at: float = 0.0
 
     @property
     def is_runnable(self) -> bool:
         return self.read.done.is_set() and self.de_ready is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.task.token_ids)
+
+    @property
+    def is_started(self) -> bool:
+        return self.num_hit_blocks >= 0
 
 
 class PrefillEngine:
@@ -69,6 +110,7 @@ class PrefillEngine:
         self._num_tokens = 0
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pe{engine_id}-fetch")
         self._shipper = ThreadPoolExecutor(1, thread_name_prefix=f"pe{engine_id}-ship")
+        self.estimator = runtime_estimator(model)
 
     # -- node loop side --------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -119,112 +161,212 @@ class PrefillEngine:
 
     # -- engine thread ---------------------------------------------------------------------
     def run(self) -> None:
-        """Prefill runnable requests in FIFO order among those whose reads are done (a request
-        waiting for its DE buffer never blocks one behind it that is ready)."""
+        """Forward passes until stopped: each packs, in FIFO order, the requests whose reads
+        are done (a request waiting for its DE buffer never blocks one behind it that is
+        ready) under the compute quota."""
+        cfg = self.ctx.cfg
         try:
             while True:
                 with self._cond:
-                    req = next((r for r in self._queue if r.is_runnable), None)
-                    while req is None and not self._is_stopping:
+                    runnable = [r for r in self._queue if r.is_runnable]
+                    while not runnable and not self._is_stopping:
                         self._cond.wait(timeout=0.05)
-                        req = next((r for r in self._queue if r.is_runnable), None)
-                    if req is None:
+                        runnable = [r for r in self._queue if r.is_runnable]
+                    if not runnable:
                         return
+                for r in runnable:
+                    if not r.is_started:
+                        self._resolve_hit(r)
+                batch = pack_prefill_batch(
+                    [
+                        PrefillItem(i, r.cached_tokens, r.num_tokens - r.cached_tokens)
+                        for i, r in enumerate(runnable)
+                    ],
+                    cfg.compute_quota_s,
+                    self.estimator,
+                    max_batch_tokens=cfg.max_batch_tokens,
+                )
+                # PrefillItem ids are positions in `runnable` (request ids would do as well).
+                chunks = [_Chunk(self, runnable[e.request_id], e) for e in batch.entries]
                 with torch.inference_mode():
-                    self._prefill(req)
+                    self._forward(chunks)
+                done = [c.req for c in chunks if not c.entry.is_chunk]
                 with self._cond:
-                    self._queue.remove(req)
-                    self._num_tokens -= len(req.task.token_ids)
+                    for r in done:
+                        self._queue.remove(r)
+                        self._num_tokens -= r.num_tokens
         finally:
             self._fetcher.shutdown(wait=False)
             self._shipper.shutdown(wait=False)
 
-    def _prefill(self, req: _PeRequest) -> None:
+    def _resolve_hit(self, req: _PeRequest) -> None:
+        """Fix the request's usable hit (its reads are done) and hold the DE engine's compute
+        NIC for the bytes the whole request will move through it."""
         ctx, lay, task = self.ctx, self.ctx.layout, req.task
         de = req.de_ready
         assert de is not None
-        started_at = time.time()
-        tx, rx = ctx.nics.compute_tx[self._index], ctx.nics.compute_rx[self._index]
-        slots = req.read.slots
         num_pe = task.num_pe_blocks
         # A missing or corrupt block ends the usable hit: everything after it is recomputed.
         if req.read.num_valid_blocks < num_pe:
             num_hit = req.read.num_valid_blocks
         else:
             num_hit = num_pe + de.num_valid_de_blocks
-        num_hit = min(num_hit, task.num_hit_blocks)
-        hit_tokens = num_hit * lay.block_size
-        num_pe_hit = min(num_pe, num_hit)
-        de_side = range(num_pe_hit, num_hit)
-        ship = [i for i in range(len(slots)) if not num_pe_hit <= i < num_hit]
+        req.num_hit_blocks = min(num_hit, task.num_hit_blocks)
+        req.num_pe_hit_blocks = min(num_pe, req.num_hit_blocks)
+        req.cached_tokens = req.num_hit_blocks * lay.block_size
+        req.started_at = time.time()
+        num_slots = len(req.read.slots)
+        num_shipped = num_slots - (req.num_hit_blocks - req.num_pe_hit_blocks)
+        num_de_side = req.num_hit_blocks - req.num_pe_hit_blocks
+        lbb = lay.layer_block_bytes
+        # The DE engine's compute NIC carries these bytes too, while they move: its rx the KV
+        # written into its buffer, its tx the DE-path hits read out of it. The initiator paces
+        # the transfers with its own ports; the DE's ports are held for them from now on.
+        ctx.send(
+            task.de_node, RemoteCharge(task.de_engine, "rx", lay.num_layers * num_shipped * lbb)
+        )
+        if num_de_side:
+            ctx.send(
+                task.de_node,
+                RemoteCharge(task.de_engine, "tx", lay.num_layers * num_de_side * lbb),
+            )
+
+    def _forward(self, chunks: list[_Chunk]) -> None:
+        """One forward pass: every chunk layer by layer, back to back within each layer."""
+        num_layers = self.ctx.layout.num_layers
+        shipped: list[Future[None]] = []
+
+        def fetch_all(layer: int) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+            return [c.fetch(layer) for c in chunks]
+
+        if self.ctx.cfg.is_layerwise:
+            pending = self._fetcher.submit(fetch_all, 0)
+            for layer in range(num_layers):
+                cached = pending.result()
+                if layer + 1 < num_layers:
+                    pending = self._fetcher.submit(fetch_all, layer + 1)
+                for c, (k, v) in zip(chunks, cached, strict=True):
+                    nk, nv = self.model.prefill_layer(c.state, layer, k, v)
+                    shipped.append(self._shipper.submit(c.send, layer, nk, nv))
+        else:
+            # Basic: all cached KV is loaded before the pass starts.
+            every = [fetch_all(layer) for layer in range(num_layers)]
+            for layer in range(num_layers):
+                for c, (k, v) in zip(chunks, every[layer], strict=True):
+                    nk, nv = self.model.prefill_layer(c.state, layer, k, v)
+                    shipped.append(self._shipper.submit(c.send, layer, nk, nv))
+        first_tokens = {}
+        for c in chunks:
+            if not c.entry.is_chunk:
+                task = c.req.task
+                sampling = SamplingParams(
+                    max_tokens=task.max_tokens, temperature=task.temperature, seed=task.sample_seed
+                )
+                first_tokens[id(c)] = sample_token(self.model.finish_prefill(c.state), sampling, 0)
+        # The next chunk of a request gathers this chunk's KV from the slots: wait for it.
+        for f in shipped:
+            f.result()
+        ctx = self.ctx
+        ctx.count_engine("num_prefill_passes")
+        ctx.count_engine("num_prefill_entries", len(chunks))
+        for c in chunks:
+            req = c.req
+            req.cached_tokens += c.entry.num_new_tokens
+            if c.entry.is_chunk:
+                ctx.count_engine("num_chunked_entries")
+                continue
+            ctx.pool.free(req.read.slots)
+            ctx.send(
+                req.task.de_node,
+                PrefillDone(
+                    req.task.request_id,
+                    first_tokens[id(c)],
+                    req.num_hit_blocks,
+                    req.started_at,
+                    time.time(),
+                ),
+            )
+
+
+class _Chunk:
+    """One request's share of a forward pass: tokens `[a, b)` after `a` cached ones."""
+
+    def __init__(self, engine: PrefillEngine, req: _PeRequest, entry: BatchEntry) -> None:
+        if entry.cached_tokens != req.cached_tokens:
+            raise RuntimeError(
+                f"PE {engine.engine_id}: request {req.task.request_id} packed with "
+                f"{entry.cached_tokens} cached tokens, has {req.cached_tokens}"
+            )
+        self.engine = engine
+        self.req = req
+        self.entry = entry
+        self.start = entry.cached_tokens
+        self.end = entry.cached_tokens + entry.num_new_tokens
+        self.is_first = self.start == req.num_hit_blocks * engine.ctx.layout.block_size
+        self.state = engine.model.begin_prefill(list(req.task.token_ids[: self.end]), self.start)
+        self.ship = self._blocks_to_ship()
+
+    def _blocks_to_ship(self) -> list[int]:
+        """PE-path hits (first chunk) and the miss blocks this chunk completes."""
+        req, bs = self.req, self.engine.ctx.layout.block_size
+        out = list(range(req.num_pe_hit_blocks)) if self.is_first else []
+        n = req.num_tokens
+        for i in range(req.num_hit_blocks, len(req.read.slots)):
+            block_end = min((i + 1) * bs, n)
+            if self.start < block_end <= self.end:
+                out.append(i)
+        return out
+
+    def fetch(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s KV of the cached tokens `[0, start)` into engine memory."""
+        eng, req = self.engine, self.req
+        ctx, lay, task = eng.ctx, eng.ctx.layout, req.task
+        de = req.de_ready
+        assert de is not None
+        tx, rx = ctx.nics.compute_tx[eng._index], ctx.nics.compute_rx[eng._index]
+        slots = req.read.slots
         lbb = lay.layer_block_bytes
         bpl = lay.kv_bytes_per_token_per_layer
-
-        def fetch(layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            start, _ = lay.layer_byte_range(layer)
+        if self.is_first:
+            de_side = range(req.num_pe_hit_blocks, req.num_hit_blocks)
             if de_side:
+                start, _ = lay.layer_byte_range(layer)
                 descs = [
                     (ctx.pool.offset(slots[i]) + start, de.slot_offsets[i] + start, lbb)
                     for i in de_side
                 ]
                 ctx.transfer.read(task.de_node, descs)
                 ctx.charge([rx], len(descs) * lbb, "de_to_pe")
-            if num_pe_hit:
-                ctx.charge([tx, rx], num_pe_hit * lay.block_size * bpl, "h2d")
-            if not num_hit:
-                return None, None
-            blocks = [ctx.pool.slot(slots[i]) for i in range(num_hit)]
-            # Straight from the buffer slots into engine memory (pinned slots on CUDA).
-            shape = (hit_tokens, 2, lay.num_kv_heads, lay.head_dim)
-            out = torch.empty(shape, dtype=lay.torch_dtype, device=self.model.device)
-            return lay.gather_layer(blocks, layer, hit_tokens, out=out)
+            if req.num_pe_hit_blocks:
+                ctx.charge([tx, rx], req.num_pe_hit_blocks * lay.block_size * bpl, "h2d")
+        elif self.start:
+            # Reload of the hit and earlier chunks from the PE buffer (layerwise prefill keeps
+            # no KV in engine memory between passes).
+            ctx.charge([tx, rx], self.start * bpl, "h2d")
+        if not self.start:
+            return None, None
+        blocks = [ctx.pool.slot(slots[i]) for i in range(lay.num_blocks(self.start))]
+        # Straight from the buffer slots into engine memory (pinned slots on CUDA).
+        shape = (self.start, 2, lay.num_kv_heads, lay.head_dim)
+        out = torch.empty(shape, dtype=lay.torch_dtype, device=eng.model.device)
+        return lay.gather_layer(blocks, layer, self.start, out=out)
 
-        def send(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if k.shape[0]:
-                miss_blocks = [ctx.pool.slot(slots[i]) for i in range(num_hit, len(slots))]
-                lay.scatter_layer(miss_blocks, layer, k, v)
-            start, _ = lay.layer_byte_range(layer)
-            descs = [
-                (ctx.pool.offset(slots[i]) + start, de.slot_offsets[i] + start, lbb) for i in ship
-            ]
+    def send(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This chunk's layer KV into the PE slots, then the completed blocks to the DE."""
+        eng, req = self.engine, self.req
+        ctx, lay, task = eng.ctx, eng.ctx.layout, req.task
+        de = req.de_ready
+        assert de is not None
+        slots = req.read.slots
+        blocks = [ctx.pool.slot(s) for s in slots]
+        lay.scatter_layer(blocks, layer, k, v, start_token=self.start)
+        lbb = lay.layer_block_bytes
+        start, _ = lay.layer_byte_range(layer)
+        descs = [
+            (ctx.pool.offset(slots[i]) + start, de.slot_offsets[i] + start, lbb)
+            for i in self.ship
+        ]
+        if descs:
             ctx.transfer.write(task.de_node, descs)
+            tx = ctx.nics.compute_tx[eng._index]
             ctx.charge([tx], len(descs) * lbb, "pe_to_de")
-
-        # The DE engine's compute NIC carries these bytes too, while they move: its rx the KV
-        # written into its buffer, its tx the DE-path hits read out of it. The initiator paces
-        # the transfers with its own ports; the DE's ports are held for them from now on.
-        ctx.send(task.de_node, RemoteCharge(task.de_engine, "rx", lay.num_layers * len(ship) * lbb))
-        if de_side:
-            ctx.send(
-                task.de_node,
-                RemoteCharge(task.de_engine, "tx", lay.num_layers * len(de_side) * lbb),
-            )
-
-        state = self.model.begin_prefill(list(task.token_ids), hit_tokens)
-        shipped: list[Future[None]] = []
-        num_layers = lay.num_layers
-        if ctx.cfg.is_layerwise:
-            pending = self._fetcher.submit(fetch, 0)
-            for layer in range(num_layers):
-                k, v = pending.result()
-                if layer + 1 < num_layers:
-                    pending = self._fetcher.submit(fetch, layer + 1)
-                nk, nv = self.model.prefill_layer(state, layer, k, v)
-                shipped.append(self._shipper.submit(send, layer, nk, nv))
-        else:
-            cached = [fetch(layer) for layer in range(num_layers)]
-            for layer in range(num_layers):
-                nk, nv = self.model.prefill_layer(state, layer, *cached[layer])
-                shipped.append(self._shipper.submit(send, layer, nk, nv))
-        logits = self.model.finish_prefill(state)
-        sampling = SamplingParams(
-            max_tokens=task.max_tokens, temperature=task.temperature, seed=task.sample_seed
-        )
-        first_token = sample_token(logits, sampling, 0)
-        for f in shipped:
-            f.result()
-        ctx.pool.free(slots)
-        ctx.send(
-            task.de_node,
-            PrefillDone(task.request_id, first_token, num_hit, started_at, time.time()),
-        )

@@ -7,11 +7,17 @@ engine id; KV bytes never travel in messages, only slot numbers of the buffers t
 
 Request flow (PE engine p on prefill node A, DE engine d on decode node B):
 
+    driver -> scheduler  Submitted                     a turn to serve (prompt, cache hit)
     scheduler -> A  Fetched(prefill=[PrefillTask])     reply to A's group leader's Fetch
     scheduler -> B  Fetched(decode=[DecodeTask])       reply to B's Fetch
     B -> A          DeBufferReady                      DE buffer slots allocated, DE reads done
     A -> B          PrefillDone                        all prompt KV in B's buffer + first token
     B -> scheduler  TurnDone                           generated tokens, timings, byte counts
+    scheduler -> driver  TurnDone                      forwarded (the driver submits the next turn)
+
+The scheduler is its own process (`scheduler.serve_scheduler`): nodes send it everything they
+address to "the scheduler" (fetches, TurnDone, NodeUp, NodeStats, NodeFailed); it forwards to
+the driver what the driver needs and answers the fetches itself.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath.runtime.transfer import SegmentInfo
+from dualpath.sched.types import WaitingRequest
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,24 @@ class EngineLoad:
     num_tokens: int
     read_q_tokens: int
     free_hbm_bytes: int
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """Driver -> scheduler: a turn to serve; what the engines need besides the policy's view."""
+
+    request: WaitingRequest
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    temperature: float
+    sample_seed: int
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Scheduler -> driver at shutdown."""
+
+    num_fetches: int
 
 
 @dataclass(frozen=True)
@@ -142,6 +167,9 @@ class NodeStats:
     buffer_waits: int = 0
     num_batches: int = 0
     num_copies: int = 0
+    engine_counters: dict[str, int] = field(default_factory=dict)
+    """PE forward passes: `num_prefill_passes`, `num_prefill_entries` (requests or chunks run),
+    `num_chunked_entries` (entries that were a chunk, not a request's whole remainder)."""
 
 
 @dataclass(frozen=True)
@@ -169,13 +197,16 @@ class NodeFailed:
     """A node (or one of its threads) raised; the run is aborted with `error`."""
 
     node: int
+    """-1: the scheduler process."""
     error: str
     """The exception, one line (`Type: message`)."""
     traceback: str = ""
 
 
 Message = (
-    Fetch
+    Submitted
+    | SchedulerStats
+    | Fetch
     | Fetched
     | PrefillTask
     | DecodeTask

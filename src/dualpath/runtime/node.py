@@ -100,6 +100,9 @@ class NodeConfig:
     shm_prefix: str = "dp"
     fetch_interval_s: float = 0.005
     chunk_bytes: int = 256 * 1024
+    compute_quota_s: float = 0.3
+    """PE forward-pass quota of estimated attention time (`engine_pe`, paper §6.2)."""
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         owner = f"node[{self.node}]"
@@ -109,6 +112,9 @@ class NodeConfig:
         positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
         positive_int(owner, "hbm_bytes", self.hbm_bytes)
         positive(owner, "fetch_interval_s", self.fetch_interval_s)
+        positive(owner, "compute_quota_s", self.compute_quota_s)
+        if self.max_batch_tokens is not None:
+            positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
         if self.buffer_bytes < self.layout.full_block_bytes:
             raise SpecError(
                 owner,
@@ -198,6 +204,7 @@ class NodeContext:
         self.write_queue: queue.Queue[tuple[bytes, int] | Callable[[], None] | None] = queue.Queue()
         """(key, slot) to persist, or a callback to run once every earlier write is done."""
         self.store_counters: dict[str, int] = defaultdict(int)
+        self.engine_counters: dict[str, int] = defaultdict(int)
         self.failure: list[tuple[str, str]] = []
         """(one-line error, traceback) of every thread that raised."""
 
@@ -215,6 +222,10 @@ class NodeContext:
         """Pace `num_bytes` on `route` (KV traffic, low priority) and count them under `path`."""
         self.tm.charge(route, num_bytes, TrafficClass.LOW)
         self.count(path, num_bytes)
+
+    def count_engine(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.engine_counters[name] += n
 
     def add_read_q(self, tokens: int) -> None:
         with self._lock:
@@ -238,6 +249,7 @@ class NodeContext:
             buffer_waits=self.pool.num_waits,
             num_batches=self.tm.num_batches,
             num_copies=self.tm.num_copies,
+            engine_counters=dict(self.engine_counters),
         )
 
 

@@ -12,17 +12,37 @@ Between a DE binding and the DE node learning of it, the node's own report does 
 request yet, so the scheduler adds what it has bound but not delivered (HBM, `seq`, `tok`) to
 that engine's report: a DE is never promised more HBM than it has.
 
-No I/O here: `on_fetch` returns the reply, so this is tested without processes.
+`RuntimeScheduler` does no I/O (`on_fetch` returns the reply, so it is tested without
+processes); `serve_scheduler` is the scheduler process around it: it owns the queues, answers
+the group leaders' fetches (long poll) and forwards to the driver what the driver needs.
 """
 
 from __future__ import annotations
 
+import queue
+import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive_int
-from dualpath.runtime.messages import DecodeTask, EngineLoad, Fetch, Fetched, PrefillTask
+from dualpath.runtime.messages import (
+    DecodeTask,
+    EngineLoad,
+    Fetch,
+    Fetched,
+    Message,
+    NodeFailed,
+    NodeStats,
+    NodeUp,
+    PrefillTask,
+    SchedulerStats,
+    Shutdown,
+    Submitted,
+    TurnDone,
+)
 from dualpath.sched import (
     de_global_drain,
     de_global_drain_round_robin,
@@ -62,15 +82,7 @@ class SchedulerConfig:
         return range(self.num_prefill_nodes, self.num_prefill_nodes + self.num_decode_nodes)
 
 
-@dataclass(frozen=True)
-class Submitted:
-    """A turn the driver submitted: what the engines need besides the policy's view."""
-
-    request: WaitingRequest
-    token_ids: tuple[int, ...]
-    block_keys: tuple[bytes, ...]
-    temperature: float
-    sample_seed: int
+__all__ = ["RuntimeScheduler", "SchedulerConfig", "Submitted", "serve_scheduler"]
 
 
 @dataclass
@@ -283,3 +295,79 @@ def with_path_mode(params: SchedulerParams, mode: str) -> SchedulerParams:
         return replace(params, path_mode=PathMode(mode))
     except ValueError:
         raise SpecError("scheduler", "path_mode", mode, "must be pe, dual or split") from None
+
+
+class _Queue(Protocol):
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+SCHEDULER_NODE = -1
+"""`NodeFailed.node` of a scheduler failure."""
+
+
+def serve_scheduler(
+    cfg: SchedulerConfig,
+    inbox: _Queue,
+    nodes: dict[int, _Queue],
+    driver: _Queue,
+    max_park_s: float = 0.05,
+) -> None:
+    """The scheduler process (or thread): serve until `Shutdown`, then send `SchedulerStats`.
+
+    Messages in: `Submitted` (driver), `Fetch` (group leaders), `TurnDone` (DE nodes), and the
+    nodes' `NodeUp` / `NodeStats` / `NodeFailed`, which go on to the driver. A fetch that finds
+    no work is parked and retried whenever something changes, and answered empty after
+    `max_park_s` so the node's report stays fresh: fetches stay pull-based without the nodes
+    polling in a busy loop. Any exception is reported to the driver as `NodeFailed(-1, ...)`.
+    """
+    try:
+        _serve(RuntimeScheduler(cfg), inbox, nodes, driver, max_park_s)
+    except BaseException as exc:  # the driver must learn why the scheduler died
+        text = " ".join(str(exc).split())
+        error = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        driver.put(NodeFailed(SCHEDULER_NODE, error, traceback.format_exc(limit=8)))
+
+
+def _serve(
+    sched: RuntimeScheduler,
+    inbox: _Queue,
+    nodes: dict[int, _Queue],
+    driver: _Queue,
+    max_park_s: float,
+) -> None:
+    parked: dict[int, tuple[float, Fetch]] = {}
+
+    def answer(fetch: Fetch, parked_at: float) -> None:
+        reply = sched.on_fetch(fetch)
+        if reply.prefill or reply.decode or time.monotonic() - parked_at >= max_park_s:
+            parked.pop(fetch.node, None)
+            nodes[fetch.node].put(reply)
+        else:
+            parked[fetch.node] = (parked_at, fetch)
+
+    while True:
+        msg: Message | None
+        try:
+            msg = inbox.get(timeout=max_park_s / 2 if parked else None)
+        except queue.Empty:
+            msg = None
+        if isinstance(msg, Shutdown):
+            driver.put(SchedulerStats(sched.num_fetches))
+            return
+        if isinstance(msg, Submitted):
+            sched.submit(msg)
+        elif isinstance(msg, Fetch):
+            answer(msg, time.monotonic())
+        elif isinstance(msg, TurnDone):
+            sched.finished(msg.request_id)
+            driver.put(msg)
+        elif isinstance(msg, NodeUp | NodeStats | NodeFailed):
+            driver.put(msg)
+        elif msg is not None:
+            raise RuntimeError(f"scheduler: unexpected message {type(msg).__name__}")
+        just_parked = msg.node if isinstance(msg, Fetch) else None
+        for at, fetch in list(parked.values()):
+            if fetch.node != just_parked:
+                answer(fetch, at)
