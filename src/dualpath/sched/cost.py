@@ -249,21 +249,28 @@ def decode_kv_read_bytes(model: ModelSpec, batch_size: int, total_context_tokens
     return model.num_layers * (index_bytes * total_context_tokens + main_bytes * main_tokens)
 
 
-def decode_weight_read_bytes(model: ModelSpec, hw: HardwareSpec) -> float:
-    """Weight bytes one engine reads per decode step: MoE weights are expert-sharded over the
-    node's GPUs (attention replicated is within fit error); dense models replicate them."""
-    return model.weight_bytes / hw.gpus_per_node if model.is_moe else model.weight_bytes
+def decode_weight_read_bytes(
+    model: ModelSpec, hw: HardwareSpec, num_expert_parallel_engines: int | None = None
+) -> float:
+    """Weight bytes one engine reads per decode step. MoE weights are expert-sharded over the
+    `num_expert_parallel_engines` engines that hold them (default: one node's GPUs; the
+    simulator passes every decode engine, as it places the weights); attention weights being
+    replicated is within fit error. Dense models replicate all weights on every engine."""
+    if not model.is_moe:
+        return model.weight_bytes
+    return model.weight_bytes / (num_expert_parallel_engines or hw.gpus_per_node)
 
 
 def decode_step_time_s(
     model: ModelSpec, hw: HardwareSpec, batch_size: int, total_context_tokens: float,
-    coeffs: CostCoefficients,
+    coeffs: CostCoefficients, num_expert_parallel_engines: int | None = None,
 ) -> float:
     """One decode step on one engine (one token for each of `batch_size` sequences holding
-    `total_context_tokens` tokens in all): max(memory time, compute time) + overheads."""
+    `total_context_tokens` tokens in all): max(memory time, compute time) + overheads.
+    `num_expert_parallel_engines`: see `decode_weight_read_bytes`."""
     if batch_size <= 0:
         return 0.0
-    read = decode_weight_read_bytes(model, hw) + decode_kv_read_bytes(
+    read = decode_weight_read_bytes(model, hw, num_expert_parallel_engines) + decode_kv_read_bytes(
         model, batch_size, total_context_tokens
     )
     memory_s = read / (hw.hbm_bytes_per_s * coeffs.decode_hbm_efficiency)

@@ -114,6 +114,8 @@ class Simulator:
             return max(0.0, self.hw.hbm_bytes * (1.0 - self.params.hbm_reserve_fraction) - w)
 
         self.pe_hbm_kv_bytes = kv_room(cl.num_prefill_engines)
+        # Decode steps read each engine's shard of those same weights.
+        self.num_decode_engines = cl.num_decode_engines
         de_hbm_kv = kv_room(cl.num_decode_engines)
         self.nodes: list[Node] = []
         self.engines: list[Engine] = []
@@ -592,7 +594,8 @@ class Simulator:
             eng = self.engines[changed]
             eng.decode_step_s = (
                 costmod.decode_step_time_s(self.model, self.hw, eng.num_decoding,
-                                           eng.ctx_tokens, self.coeffs)
+                                           eng.ctx_tokens, self.coeffs,
+                                           num_expert_parallel_engines=self.num_decode_engines)
                 if eng.num_decoding else 0.0
             )
         step = max(self.engines[e].decode_step_s for e in grp.engines)
