@@ -153,7 +153,20 @@ def test_quota_chunks_a_long_prompt_on_the_de_path(
 ) -> None:
     """A compute quota below one 300-token pass (cost-model estimate) chunks the prompt by
     binary search; DE-side hits read into the PE buffer serve every chunk."""
-    r = run(tmp_path, path_mode="de", compute_quota_s=0.002)
+    r = run(tmp_path, path_mode="de", compute_quota_s=0.002, estimator="cost-model")
     assert r.outputs == expected
     assert r.nodes[0].engine_counters["num_chunked_entries"] > 0
     assert r.bytes_by_path()["de_to_pe"] == r.bytes_by_path()["de_read"]
+
+
+def test_a_quota_below_the_fixed_cost_still_moves_a_block_per_pass(
+    tmp_path: Path, expected: dict[int, list[tuple[int, ...]]]
+) -> None:
+    """Nothing fits a 1 us quota: every pass runs one block of the head request (the progress
+    floor), never packing a second request."""
+    r = run(tmp_path, path_mode="pe", compute_quota_s=1e-6, estimator="cost-model")
+    assert r.outputs == expected
+    c = r.nodes[0].engine_counters
+    assert c["num_prefill_passes"] == c["num_prefill_entries"]
+    blocks_to_compute = sum(-(-(t.prompt_tokens - t.hit_tokens) // 64) for t in r.turns)
+    assert c["num_prefill_passes"] == blocks_to_compute

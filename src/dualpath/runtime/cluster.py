@@ -38,6 +38,7 @@ from typing import Any
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.validate import positive, positive_int
+from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     Message,
@@ -102,6 +103,9 @@ class RunConfig:
     """PE forward-pass quota of estimated attention time (paper A.4: 300 ms)."""
     max_batch_tokens: int | None = None
     """Optional cap on the new tokens of one PE forward pass (None: the quota alone)."""
+    estimator: str = "measured"
+    """PE pass-time estimator: measured (each prefill node times its model at start-up) or
+    cost-model (deterministic; `runtime.estimator`)."""
 
     def __post_init__(self) -> None:
         owner = "run"
@@ -127,6 +131,10 @@ class RunConfig:
         positive(owner, "compute_quota_s", self.compute_quota_s)
         if self.max_batch_tokens is not None:
             positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
+        if self.estimator not in ESTIMATORS:
+            raise SpecError(
+                owner, "estimator", self.estimator, f"must be one of {', '.join(ESTIMATORS)}"
+            )
 
     @property
     def is_layerwise(self) -> bool:
@@ -264,6 +272,14 @@ class RunResult:
                 out[k] += v
         return dict(out)
 
+    def engine_counters(self) -> dict[str, int]:
+        """PE forward-pass counters summed over nodes (see `NodeStats.engine_counters`)."""
+        out: dict[str, int] = defaultdict(int)
+        for n in self.nodes:
+            for k, v in n.engine_counters.items():
+                out[k] += v
+        return dict(out)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.config.mode,
@@ -278,6 +294,8 @@ class RunResult:
             "store": self.store_counters(),
             "buffer_peak_slots": {str(n.node): n.buffer_peak_slots for n in self.nodes},
             "num_fetches": self.num_fetches,
+            "engine": self.engine_counters(),
+            "pe_estimator": [n.estimator for n in self.nodes if n.estimator],
         }
 
 
@@ -379,6 +397,7 @@ class Cluster:
             fetch_interval_s=cfg.fetch_interval_s,
             compute_quota_s=cfg.compute_quota_s,
             max_batch_tokens=cfg.max_batch_tokens,
+            estimator=cfg.estimator,
         )
 
     def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:

@@ -18,10 +18,10 @@ KV is loaded before the forward pass starts.
 
 Intra-engine batching (paper §6.2): each forward pass is packed by
 `dualpath.sched.pack_prefill_batch` from the FIFO of runnable requests (reads done, DE buffer
-ready), under `compute_quota_s` of estimated attention time. The estimator is the cost model
-(`sched.CostModelEstimator`) for this model on the `cpu-emulated` preset, not fitted to this
-CPU's measured times. A request that does not fit whole is chunked: the chunk runs now and the
-rest stays at its place in the queue with the chunk's tokens counted as cached. The packed
+ready), under `compute_quota_s` of estimated time (`estimator.py`: by default fitted to this
+model's passes timed on this machine at node start-up; or the cost model). A request that does
+not fit whole is chunked: the chunk runs now and the rest stays at its place in the queue with
+the chunk's tokens counted as cached. The packed
 requests run back to back within the pass, layer by layer (the model prefills one sequence at a
 time), so per layer every entry's cached KV is fetched while the previous layer computes.
 
@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 
-from dualpath.core.hardware import hardware_preset
 from dualpath.runtime.messages import (
     DeBufferReady,
     EngineLoad,
@@ -60,15 +59,7 @@ from dualpath.runtime.messages import (
 from dualpath.runtime.model import SamplingParams, sample_token
 from dualpath.runtime.node import NodeContext, ReadJob
 from dualpath.sched.batching import BatchEntry, PrefillItem, pack_prefill_batch
-from dualpath.sched.cost import AttentionTimeEstimator, CostModelEstimator, coefficients_for
-
-
-def runtime_estimator(model: Any) -> AttentionTimeEstimator:
-    """The attention-time estimator PEs pack with: the cost model of `model`'s config on the
-    `cpu-emulated` preset (packaged coefficients, not fitted to this machine)."""
-    spec = model.config.to_model_spec()
-    hw = hardware_preset("cpu-emulated")
-    return CostModelEstimator(spec, hw, coefficients_for(spec, hw))
+from dualpath.sched.cost import AttentionTimeEstimator
 
 
 @dataclass
@@ -99,7 +90,9 @@ class _PeRequest:
 class PrefillEngine:
     """One PE (an engine thread of a prefill node)."""
 
-    def __init__(self, ctx: NodeContext, engine_id: int, model: Any) -> None:
+    def __init__(
+        self, ctx: NodeContext, engine_id: int, model: Any, estimator: AttentionTimeEstimator
+    ) -> None:
         self.ctx = ctx
         self.engine_id = engine_id
         self.model = model
@@ -110,7 +103,7 @@ class PrefillEngine:
         self._num_tokens = 0
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pe{engine_id}-fetch")
         self._shipper = ThreadPoolExecutor(1, thread_name_prefix=f"pe{engine_id}-ship")
-        self.estimator = runtime_estimator(model)
+        self.estimator = estimator
 
     # -- node loop side --------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -187,7 +180,9 @@ class PrefillEngine:
                     max_batch_tokens=cfg.max_batch_tokens,
                 )
                 # PrefillItem ids are positions in `runnable` (request ids would do as well).
-                chunks = [_Chunk(self, runnable[e.request_id], e) for e in batch.entries]
+                floor = min(self.ctx.layout.block_size, cfg.max_batch_tokens or 1 << 62)
+                entries = _with_min_chunk(batch.entries, runnable, floor)
+                chunks = [_Chunk(self, runnable[e.request_id], e) for e in entries]
                 with torch.inference_mode():
                     self._forward(chunks)
                 done = [c.req for c in chunks if not c.entry.is_chunk]
@@ -286,6 +281,22 @@ class PrefillEngine:
                     time.time(),
                 ),
             )
+
+
+def _with_min_chunk(
+    entries: tuple[BatchEntry, ...], runnable: list[_PeRequest], min_tokens: int
+) -> tuple[BatchEntry, ...]:
+    """Progress floor: a pass whose only entry is a chunk of fewer than `min_tokens` (one
+    block, or `max_batch_tokens` if smaller) runs that many instead. The policy gives a lone
+    head at least one token when nothing fits; on a CPU whose fitted fixed cost exceeds the
+    quota that would be one token a pass."""
+    if len(entries) != 1 or not entries[0].is_chunk or entries[0].num_new_tokens >= min_tokens:
+        return entries
+    e = entries[0]
+    r = runnable[e.request_id]
+    remaining = r.num_tokens - r.cached_tokens
+    n = min(min_tokens, remaining)
+    return (BatchEntry(e.request_id, e.cached_tokens, n, n < remaining),)
 
 
 class _Chunk:

@@ -170,6 +170,8 @@ class NodeStats:
     engine_counters: dict[str, int] = field(default_factory=dict)
     """PE forward passes: `num_prefill_passes`, `num_prefill_entries` (requests or chunks run),
     `num_chunked_entries` (entries that were a chunk, not a request's whole remainder)."""
+    estimator: str = ""
+    """The PE pass-time estimator (prefill nodes), one line."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive, positive_int
 from dualpath.runtime.buffers import BufferPool
+from dualpath.runtime.estimator import ESTIMATORS, describe, make_estimator
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     DecodeTask,
@@ -103,6 +104,8 @@ class NodeConfig:
     compute_quota_s: float = 0.3
     """PE forward-pass quota of estimated attention time (`engine_pe`, paper §6.2)."""
     max_batch_tokens: int | None = None
+    estimator: str = "measured"
+    """PE pass-time estimator: measured (fitted at start-up) or cost-model (`estimator.py`)."""
 
     def __post_init__(self) -> None:
         owner = f"node[{self.node}]"
@@ -115,6 +118,10 @@ class NodeConfig:
         positive(owner, "compute_quota_s", self.compute_quota_s)
         if self.max_batch_tokens is not None:
             positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
+        if self.estimator not in ESTIMATORS:
+            raise SpecError(
+                owner, "estimator", self.estimator, f"must be one of {', '.join(ESTIMATORS)}"
+            )
         if self.buffer_bytes < self.layout.full_block_bytes:
             raise SpecError(
                 owner,
@@ -205,6 +212,7 @@ class NodeContext:
         """(key, slot) to persist, or a callback to run once every earlier write is done."""
         self.store_counters: dict[str, int] = defaultdict(int)
         self.engine_counters: dict[str, int] = defaultdict(int)
+        self.estimator_desc = ""
         self.failure: list[tuple[str, str]] = []
         """(one-line error, traceback) of every thread that raised."""
 
@@ -250,6 +258,7 @@ class NodeContext:
             num_batches=self.tm.num_batches,
             num_copies=self.tm.num_copies,
             engine_counters=dict(self.engine_counters),
+            estimator=self.estimator_desc,
         )
 
 
@@ -363,6 +372,10 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     cfg = ctx.cfg
     model = build_model(cfg.model)
     _warm_up(model, ctx.layout)
+    # Timed before the node reports up, so no other engine of this machine's run is busy yet.
+    estimator = make_estimator(cfg.estimator, model) if cfg.is_prefill else None
+    if estimator is not None:
+        ctx.estimator_desc = describe(estimator)
     ctx.send(None, NodeUp(cfg.node, ctx.transfer.local_info()))
     while True:
         msg = inbox.get()
@@ -377,7 +390,8 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     for i in range(cfg.num_engines):
         engine_id = cfg.first_engine_id + i
         if cfg.is_prefill:
-            engines.append(PrefillEngine(ctx, engine_id, model))
+            assert estimator is not None
+            engines.append(PrefillEngine(ctx, engine_id, model, estimator))
         else:
             engines.append(DecodeEngine(ctx, engine_id, model))
     threads = [threading.Thread(target=_guard(ctx, e.run), daemon=True) for e in engines]

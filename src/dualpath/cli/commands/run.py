@@ -104,6 +104,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="pe",
         help="where the dual-path rule reads when both read queues are equal (default: pe)",
     )
+    g.add_argument(
+        "--compute-quota-ms",
+        type=float,
+        default=300.0,
+        metavar="MS",
+        help="PE forward-pass quota of estimated time (see --estimator); requests are "
+        "packed FIFO under it and the first that does not fit is chunked (default: "
+        "%(default)s)",
+    )
+    g.add_argument(
+        "--estimator",
+        choices=("measured", "cost-model"),
+        default="measured",
+        help="PE pass-time estimator the quota applies to: measured (each prefill node times "
+        "its model at start-up) or cost-model (the sched cost model, cpu-emulated preset; "
+        "deterministic) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="cap on the new tokens of one PE forward pass (default: the quota alone)",
+    )
     w = p.add_argument_group("workload (scaled-down synthetic trajectories)")
     w.add_argument("--workload", default="32k", help="synthetic preset: 32k, 48k, 64k")
     w.add_argument(
@@ -206,6 +229,9 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
         temperature=args.temperature,
         seed=args.seed,
         read_tie_side=args.read_tie_side,
+        compute_quota_s=args.compute_quota_ms / 1000.0,
+        max_batch_tokens=args.max_batch_tokens,
+        estimator=args.estimator,
     )
 
 
@@ -258,6 +284,19 @@ def render(results: dict[str, Any]) -> str:
             f"{fmt_bytes(b.get('pe_to_de', 0)):>10} {fmt_bytes(b.get('de_to_pe', 0)):>10} "
             f"{fmt_bytes(b.get('snic_write', 0)):>10}  {util}"
         )
+    lines.append("")
+    for mode, r in results.items():
+        c = r.engine_counters()
+        passes = c.get("num_prefill_passes", 0)
+        entries = c.get("num_prefill_entries", 0)
+        lines.append(
+            f"  {mode:<9} PE forward passes {passes}, {entries / max(1, passes):.2f} "
+            f"requests or chunks per pass, {c.get('num_chunked_entries', 0)} chunks; "
+            f"scheduler answered {r.num_fetches} fetches"
+        )
+        for n in r.nodes:
+            if n.estimator:
+                lines.append(f"  {'':<9} PE estimator of node {n.node}: {n.estimator}")
     lines.append("")
     if "basic" in results and "dualpath" in results:
         lines.append(
