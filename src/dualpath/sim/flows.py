@@ -12,7 +12,9 @@ its capacity; every flow is bottlenecked on a saturated link or runs at its boun
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -219,12 +221,19 @@ class FlowNet:
     def _recompute(self, seed_flows: list[Flow], seeds: list[Link]) -> None:
         """Weighted max-min (progressive filling with per-flow bounds) over `seed_flows` and
         the flows reachable from `seeds` through tight links; only flows whose rate changes
-        are touched after."""
+        are touched after.
+
+        The set is capped at `MAX_COMPONENT_FLOWS` flows (breadth first from the change):
+        flows beyond it keep their rates and their load is taken off the links' capacity, so
+        capacities always hold; the rates are then max-min within the set, which is exact
+        whenever the tight component is smaller than the cap (bursts of thousands of flows
+        would otherwise make every start and end cost the whole cluster).
+        """
         self.num_recomputes += 1
         now = self.loop.now_s
         flows: dict[Flow, None] = dict.fromkeys(seed_flows)
         tight: dict[Link, float] = {}
-        stack: list[Link] = []
+        queue: deque[Link] = deque()
         for link in seeds:
             for f in link.flows:
                 flows[f] = None
@@ -232,9 +241,9 @@ class FlowNet:
             for link in f.links:
                 if link not in tight and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
                     tight[link] = 0.0
-                    stack.append(link)
-        while stack:
-            link = stack.pop()
+                    queue.append(link)
+        while queue and len(flows) < MAX_COMPONENT_FLOWS:
+            link = queue.popleft()
             for f in link.flows:
                 if f not in flows:
                     flows[f] = None
@@ -243,29 +252,50 @@ class FlowNet:
                             other.bound_load > other.capacity_bytes_per_s * _TIGHT
                         ):
                             tight[other] = 0.0
-                            stack.append(other)
+                            queue.append(other)
         if not flows:
             return
-        residual = {link: link.capacity_bytes_per_s for link in tight}
+        # Residual capacity for the set: the capacity minus the load of flows outside it.
+        residual: dict[Link, float] = {}
         for link in tight:
-            tight[link] = sum(link.flows.values())
+            inside_w, inside_load = 0.0, 0.0
+            for f, w in link.flows.items():
+                if f in flows:
+                    inside_w += w
+                    inside_load += w * f.rate
+            tight[link] = inside_w
+            outside = link.load_bytes_per_s - inside_load
+            residual[link] = link.capacity_bytes_per_s - (outside if outside > 0.0 else 0.0)
         new_rate: dict[Flow, float] = {}
         by_bound = sorted(flows, key=_bound_key)
         nb = 0
+        # Min-heap of (fill level at which the link saturates, order, link). Freezing a flow at
+        # a level no higher than a link's entry never lowers that link's level, so stale
+        # entries are only ever too low: re-push them with the current level when they surface.
+        order = {link: i for i, link in enumerate(tight)}
+        heap = [(residual[lk] / w, order[lk], lk) for lk, w in tight.items() if w > _EPS]
+        heapq.heapify(heap)
         while len(new_rate) < len(flows):
             best, best_link = math.inf, None
-            for link, w in tight.items():
-                if w > _EPS:
-                    x = residual[link] / w
-                    if x < best:
-                        best, best_link = x, link
+            while heap:
+                x, i, link = heap[0]
+                w = tight[link]
+                if w <= _EPS:
+                    heapq.heappop(heap)
+                    continue
+                cur = residual[link] / w
+                if cur != x:
+                    heapq.heapreplace(heap, (cur, i, link))
+                    continue
+                best, best_link = x, link
+                break
             while nb < len(by_bound) and by_bound[nb] in new_rate:
                 nb += 1
             if nb < len(by_bound) and by_bound[nb].bound <= best:
                 frozen = [by_bound[nb]]
                 level = by_bound[nb].bound
             elif best_link is not None:
-                frozen = [f for f in best_link.flows if f not in new_rate]
+                frozen = [f for f in best_link.flows if f in flows and f not in new_rate]
                 level = best
             else:  # pragma: no cover - the bound of every flow is finite
                 break
@@ -302,6 +332,7 @@ class FlowNet:
 
 
 _TIGHT = 1.0 + 1e-9
+MAX_COMPONENT_FLOWS = 64
 
 
 def _bound_key(f: Flow) -> float:

@@ -547,19 +547,50 @@ class Simulator:
             self.stop_reason = "ttft_limit"
             self.is_stopped = True
         de = self.engines[req.de]
-        nd = self.nodes[de.node]
         if self.mode.is_oracle:
             self._join_decode(req)
             return
+        de.copy_fifo.append(req)
+        self._next_copy(de)
+
+    def _next_copy(self, de: Engine) -> None:
+        """A DE copies prompts from its buffer into HBM one at a time (FIFO), each at the
+        rate its CNIC and the node DRAM give it."""
+        if de.is_copying or not de.copy_fifo:
+            return
+        req = de.copy_fifo.popleft()
+        de.is_copying = True
+        nd = self.nodes[de.node]
         nbytes = req.prompt * self.kv_bpt
-        links = [(nd.dram, nbytes), (de.cnic_read, nbytes), (de.cnic_write, nbytes)]
 
         def copied() -> None:
+            de.is_copying = False
             if req.de_read_tokens:
                 self._free_buffer(nd, req.de_read_tokens * self.kv_bpt)
             self._join_decode(req)
+            self._next_copy(de)
 
-        self.net.start(Flow(links, 1.0, copied))
+        self.net.start(Flow([(nd.dram, nbytes), (de.cnic_read, nbytes), (de.cnic_write, nbytes)],
+                            1.0, copied))
+
+    def _persist(self, de: Engine, nbytes: float) -> None:
+        """New Full Blocks go GPU -> DE buffer (D2H through the CNIC) -> storage NIC. One
+        transfer per DE at a time; blocks finished meanwhile go together in the next one."""
+        de.persist_pending_bytes += nbytes
+        if de.is_persisting:
+            return
+        total, de.persist_pending_bytes = de.persist_pending_bytes, 0.0
+        de.is_persisting = True
+        nd = self.nodes[de.node]
+
+        def persisted() -> None:
+            de.is_persisting = False
+            if de.persist_pending_bytes > 0:
+                self._persist(de, 0.0)
+
+        self.net.start(Flow(
+            [(de.cnic_read, 1.0), (de.cnic_write, 1.0), (nd.dram, 2.0), (nd.snic_write, 1.0)],
+            total, persisted))
 
     # -- decode ------------------------------------------------------------------------------------
     def _steps_now(self, grp: _DecodeGroup) -> float:
@@ -647,11 +678,7 @@ class Simulator:
         if not self.mode.is_oracle:
             new_blocks = (req.prompt + req.gen) // self.block - req.hit // self.block
             if new_blocks > 0:
-                nd = self.nodes[eng.node]
-                nbytes = new_blocks * self.block * self.kv_bpt
-                self.net.start(Flow(
-                    [(eng.cnic_read, 1.0), (eng.cnic_write, 1.0), (nd.dram, 2.0),
-                     (nd.snic_write, 1.0)], nbytes, _noop))
+                self._persist(eng, new_blocks * self.block * self.kv_bpt)
         lo_hi = self.agent_rows[req.agent]
         nxt = self.agent_next[req.agent]
         if nxt < lo_hi[1]:
@@ -705,10 +732,6 @@ class _DeReadQ(Mapping[int, int]):
 
     def __len__(self) -> int:
         return len(self._nodes())
-
-
-def _noop() -> None:
-    return None
 
 
 def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:

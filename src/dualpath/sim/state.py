@@ -132,14 +132,18 @@ class Engine:
     __slots__ = (
         "cnic_read",
         "cnic_write",
+        "copy_fifo",
         "ctx_tokens",
         "decode_step_s",
         "free_hbm_bytes",
         "idx",
+        "is_copying",
+        "is_persisting",
         "node",
         "num_decoding",
         "num_seqs",
         "num_tokens",
+        "persist_pending_bytes",
         "ready",
     )
 
@@ -159,5 +163,11 @@ class Engine:
         self.num_decoding = 0
         self.ctx_tokens = 0.0
         """DE: sum of the decoding requests' mean contexts (what a decode step reads)."""
+        self.copy_fifo: deque[Req] = deque()
+        """DE: prompts whose KV is complete in the DE buffer, waiting for copy-in (FIFO)."""
+        self.is_copying = False
+        self.persist_pending_bytes = 0.0
+        """DE: bytes of new Full Blocks waiting for the next persistence transfer."""
+        self.is_persisting = False
         self.decode_step_s = 0.0
         """DE: the cost model's step time for the current decode batch (cached)."""
