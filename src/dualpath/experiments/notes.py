@@ -15,7 +15,7 @@ These causes apply to every section; each section's tables show how large the di
    commit 40eb328 the cost model (`dualpath.sched.cost.decode_weight_read_bytes`) charged each
    decode step the MoE weights divided over the GPUs of *one node* (84 GB per step for
    DeepSeek-V3.2), while the simulator places those weights over *all* decode GPUs (4 nodes at
-   2P4D, 21 GB each). The runs and the calibration in this report predate that fix. With it,
+   2P4D, 21 GB each). The runs and the calibration in this report predate that fix. With the bug,
    DS 660B decode steps cost about 45 ms even at small batches and grow little with batch
    size, so DS 660B runs are bound by per-agent decode latency at 512-1,024 agents (Oracle JCT
    hardly grows from 512 to 1,024 agents, where the paper's grows about 1.4x) and have too much
