@@ -65,6 +65,12 @@ def _outputs(result: SimResult) -> tuple[str, str, str]:
     return buf.getvalue(), h.hexdigest(), summary
 
 
+def _read(path: Path) -> str:
+    # newline="": the CSV's \r\n line ends must compare as written.
+    with open(path, encoding="utf-8", newline="") as f:
+        return f.read()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("record", "check"))
@@ -83,11 +89,10 @@ def main() -> int:
         files = {f"{name}.csv": csv_text, f"{name}.sha256": digest, f"{name}.json": summary}
         if args.action == "record":
             for fn, text in files.items():
-                (args.dir / fn).write_text(text, encoding="utf-8")
+                (args.dir / fn).write_text(text, encoding="utf-8", newline="")
             print(f"recorded {name} ({wall:.2f} s)")
             continue
-        diffs = [fn for fn, text in files.items()
-                 if (args.dir / fn).read_text(encoding="utf-8") != text]
+        diffs = [fn for fn, text in files.items() if _read(args.dir / fn) != text]
         bad += bool(diffs)
         print(f"{'DIFF ' + ','.join(diffs) if diffs else 'same'}  {name} ({wall:.2f} s)")
     print(f"total {time.perf_counter() - total:.1f} s")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from dualpath.core.errors import SpecError
 from dualpath.sched import (
     EngineReport,
     HbmNeed,
@@ -122,3 +125,21 @@ def test_round_robin_de_respects_hbm() -> None:
     f, nxt = de_group_fetch_round_robin([req(i) for i in range(5)], reports, params())
     assert engines(f) == [0, 1, 1, 1]
     assert nxt == 0
+
+
+def test_is_validated_skips_only_the_report_checks() -> None:
+    reports = [de(0, 2, 300, free=250), de(1, 0, 50, free=180), de(2, 1, 10, free=90)]
+    queue = [req(i, prompt=40 + 30 * i) for i in range(6)]
+    for stop in (True, False):
+        p = params(r_set_stops_at_first_misfit=stop)
+        assert de_group_fetch(queue, reports, p, is_validated=True) == de_group_fetch(
+            queue, reports, p)
+        assert de_group_fetch_round_robin(queue, reports, p, 2, is_validated=True) == (
+            de_group_fetch_round_robin(queue, reports, p, 2))
+    # A lazily consumed queue (the simulator passes a generator) decides the same.
+    assert de_group_fetch(iter(queue), reports, params(), is_validated=True) == de_group_fetch(
+        queue, reports, params())
+    wrong_role = [EngineReport(0, 0, Role.PREFILL, 0, 0, 0, BIG)]
+    with pytest.raises(SpecError, match="decode"):
+        de_group_fetch([req(0)], wrong_role, params())
+    assert de_group_fetch([req(0)], wrong_role, params(), is_validated=True).num_assigned == 1

@@ -134,3 +134,25 @@ def test_round_robin_ignores_load_but_not_beta() -> None:
 def test_negative_report_counter_is_rejected() -> None:
     with pytest.raises(SpecError, match=r"engine\[3\]\.num_tokens=-1"):
         EngineReport(3, 0, Role.PREFILL, 0, -1, 0, 0)
+
+
+def test_is_validated_skips_only_the_report_checks() -> None:
+    # Valid reports: the trusted path decides exactly what the checked path decides.
+    reports = [pe(0, 0, tok=100, read_q=50), pe(1, 0, tok=0, read_q=50), pe(2, 1, tok=10)]
+    queue = [req(i, prompt=300, hit=128) for i in range(6)]
+    de_node_of = {i: 7 for i in range(6)}
+    for mode in (PathMode.PE, PathMode.DUAL, PathMode.SPLIT):
+        p = params(path_mode=mode)
+        checked = pe_fetch(queue, reports, p, de_node_of=de_node_of,
+                           read_q_tokens_by_node={7: 90})
+        trusted = pe_fetch(queue, reports, p, de_node_of=de_node_of,
+                           read_q_tokens_by_node={7: 90}, is_validated=True)
+        assert trusted == checked
+        rr = pe_fetch_round_robin(queue, reports, p, 1, de_node_of=de_node_of)
+        assert pe_fetch_round_robin(queue, reports, p, 1, de_node_of=de_node_of,
+                                    is_validated=True) == rr
+    # Invalid reports (engine twice) are rejected unless the caller vouches for them.
+    twice = [pe(0, 0, tok=0), pe(0, 0, tok=0)]
+    with pytest.raises(SpecError, match="reported twice"):
+        pe_fetch([req(0)], twice, params())
+    assert pe_fetch([req(0)], twice, params(), is_validated=True).num_assigned == 1

@@ -107,6 +107,7 @@ def de_group_fetch(
     *,
     pe_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
+    is_validated: bool = False,
 ) -> DEFetch:
     """Phase 2 for one DE group fetch over its private FIFO queue (head first).
 
@@ -119,8 +120,11 @@ def de_group_fetch(
     Cost: O(|E| log |E| + |R|) for R and Z, then per assignment a scan of the engines still
     under Z in `seq` order that stops at the first one with room under Z and enough HBM
     (O(|E|) only when none has).
+
+    `is_validated=True` skips `check_reports` (as in `pe.pe_fetch`: a trusted caller only).
     """
-    check_reports(reports, Role.DECODE)
+    if not is_validated:
+        check_reports(reports, Role.DECODE)
     n = len(reports)
     engine_ids = [r.engine_id for r in reports]
     seq = [r.num_seqs for r in reports]
@@ -199,11 +203,13 @@ def de_group_fetch_round_robin(
     *,
     pe_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
+    is_validated: bool = False,
 ) -> tuple[DEFetch, int]:
     """Baseline phase 2: the head goes to the next engine in report order from `start` that
     has enough HBM (ignoring seq, tok and Z); the fetch ends when none has. Returns the fetch
     and the next start. Same HBM admission as `de_group_fetch`."""
-    check_reports(reports, Role.DECODE)
+    if not is_validated:
+        check_reports(reports, Role.DECODE)
     n = len(reports)
     free = [r.free_hbm_bytes for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)

@@ -51,6 +51,7 @@ def pe_fetch(
     *,
     de_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
+    is_validated: bool = False,
 ) -> PEFetch:
     """Algorithm 1 for one PE group fetch over the global FIFO `queue` (head first).
 
@@ -63,8 +64,12 @@ def pe_fetch(
     Invariants kept: an engine with `tok > beta` never receives a request; category 2 is
     always preferred to category 3; assignments are a FIFO prefix of `queue`; inputs are not
     changed.
+
+    `is_validated=True` skips `check_reports`: only for a caller that builds its reports from
+    its own consistent state (the simulator); the decision is the same on valid reports.
     """
-    check_reports(reports, Role.PREFILL)
+    if not is_validated:
+        check_reports(reports, Role.PREFILL)
     alpha, beta = params.alpha_tokens, params.beta_tokens
     charge = params.pe_tok_charge
     engine_ids = [r.engine_id for r in reports]
@@ -128,6 +133,7 @@ def pe_fetch_round_robin(
     *,
     de_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
+    is_validated: bool = False,
 ) -> tuple[PEFetch, int]:
     """The "w/o scheduling" baseline: the FIFO head goes to the next engine in report order
     from position `start`, ignoring `tok` and `read_q`; returns the fetch and the next start.
@@ -135,7 +141,8 @@ def pe_fetch_round_robin(
     Admission is the same as Algorithm 1's (an engine with `tok > beta` is skipped; the fetch
     ends when all are), so the ablation isolates the choice rule. Read paths as in `pe_fetch`.
     """
-    check_reports(reports, Role.PREFILL)
+    if not is_validated:
+        check_reports(reports, Role.PREFILL)
     n = len(reports)
     tok = [r.num_tokens for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)

@@ -77,14 +77,14 @@ class Policy:
         return self.private[gi].popleft()
 
     def de_fetch(
-        self, gi: int, queue: list[WaitingRequest], reports: list[EngineReport]
+        self, gi: int, queue: Iterable[WaitingRequest], reports: list[EngineReport]
     ) -> list[tuple[int, int, int]]:
         """DE phase 2 for group `gi`: (request id, engine id, reserved HBM bytes)."""
         if self.is_dualpath:
-            fetch = de.de_group_fetch(queue, reports, self.params)
+            fetch = de.de_group_fetch(queue, reports, self.params, is_validated=True)
         else:
             fetch, self._rr_de[gi] = de.de_group_fetch_round_robin(
-                queue, reports, self.params, self._rr_de.get(gi, 0)
+                queue, reports, self.params, self._rr_de.get(gi, 0), is_validated=True
             )
         return [(a.request_id, a.engine_id, a.hbm_bytes) for a in fetch.assignments]
 
@@ -95,10 +95,10 @@ class Policy:
         """A PE group fetch (Algorithm 1 or round robin), read paths included."""
         if self.is_dualpath:
             return pe.pe_fetch(queue, reports, self.params, de_node_of=de_node_of,
-                               read_q_tokens_by_node=de_read_q).assignments
+                               read_q_tokens_by_node=de_read_q, is_validated=True).assignments
         fetch, self._rr_pe[gi] = pe.pe_fetch_round_robin(
             queue, reports, self.params, self._rr_pe.get(gi, 0), de_node_of=de_node_of,
-            read_q_tokens_by_node=de_read_q,
+            read_q_tokens_by_node=de_read_q, is_validated=True,
         )
         return fetch.assignments
 

@@ -162,7 +162,10 @@ class Simulator:
         self.pe_queue: deque[Req] = deque()
         self.next_pgroup = 0
         self.de_node_of = _DeNodeOf(self)
-        self.de_read_q = _DeReadQ(self)
+        self.de_read_q: dict[int, int] = dict.fromkeys(de_nodes, 0)
+        """node -> read queue (tokens) of every DE node, kept equal to `Node.read_q_tokens`.
+        A PE fetch reads it for the DE nodes of the requests it assigns; giving it every DE node
+        (not only those of queued requests) changes no decision and copies in O(DE nodes)."""
         self.num_done = 0
         self.is_stopped = False
         self.stop_reason = ""
@@ -262,18 +265,22 @@ class Simulator:
         self.de_global.append(req)
         self._dispatch_de()
 
-    def _report(self, e: Engine, role: Role) -> EngineReport:
-        """The engine's fetch report; reused while nothing in it changed (most engines of a
-        group are untouched between two fetches)."""
-        old = self._reports.get(e.idx)
-        read_q = self.nodes[e.node].read_q_tokens
-        free = int(e.free_hbm_bytes)
-        if (old is not None and old.num_seqs == e.num_seqs and old.num_tokens == e.num_tokens
-                and old.read_q_tokens == read_q and old.free_hbm_bytes == free):
-            return old
-        rep = EngineReport(e.idx, e.node, role, e.num_seqs, e.num_tokens, read_q, free)
-        self._reports[e.idx] = rep
-        return rep
+    def _group_reports(self, engine_ids: list[int], role: Role) -> list[EngineReport]:
+        """The engines' fetch reports; each is reused while nothing in it changed (most
+        engines of a group are untouched between two fetches)."""
+        cache, engines, nodes = self._reports, self.engines, self.nodes
+        out: list[EngineReport] = []
+        for idx in engine_ids:
+            e = engines[idx]
+            old = cache.get(idx)
+            read_q = nodes[e.node].read_q_tokens
+            free = int(e.free_hbm_bytes)
+            if (old is None or old.num_seqs != e.num_seqs or old.num_tokens != e.num_tokens
+                    or old.read_q_tokens != read_q or old.free_hbm_bytes != free):
+                old = EngineReport(idx, e.node, role, e.num_seqs, e.num_tokens, read_q, free)
+                cache[idx] = old
+            out.append(old)
+        return out
 
     def _dispatch_de(self) -> None:
         """Two-level DE scheduling: the global queue to groups, then a fetch by each group
@@ -286,15 +293,23 @@ class Simulator:
                 self.de_dirty.add(gi)
             self.de_global.clear()
         moved = False
+        waiting_of = self.waiting
         dirty, self.de_dirty = sorted(self.de_dirty), set()
         for gi in dirty:
             grp = self.dgroups[gi]
             queue = pol.private[gi]
             if not queue:
                 continue
-            reports = [self._report(self.engines[e], Role.DECODE) for e in grp.engines]
-            for rid, engine_id, hbm in pol.de_fetch(gi, [self.waiting[r.rid] for r in queue],
-                                                    reports):
+            # Both DE policies end a fetch at once when the head fits no engine's free HBM
+            # (reports carry int(free)), with no state change: skip building that fetch.
+            need = pol.params.hbm_bytes(waiting_of[queue[0].rid])
+            engines = self.engines
+            if all(int(engines[e].free_hbm_bytes) < need for e in grp.engines):
+                continue
+            reports = self._group_reports(grp.engines, Role.DECODE)
+            # Lazy: R stops at the first misfit, so a long private queue is not walked.
+            pending = (waiting_of[r.rid] for r in queue)
+            for rid, engine_id, hbm in pol.de_fetch(gi, pending, reports):
                 req = pol.pop_private(gi, self.waiting[rid])
                 assert req.rid == rid
                 eng = self.engines[engine_id]
@@ -321,7 +336,7 @@ class Simulator:
             grp = self.pgroups[(self.next_pgroup + k) % num]
             if all(self.engines[e].num_tokens > beta for e in grp.engines):
                 continue  # every engine is overloaded: its fetch would return nothing
-            reports = [self._report(self.engines[e], Role.PREFILL) for e in grp.engines]
+            reports = self._group_reports(grp.engines, Role.PREFILL)
             queue = (self.waiting[r.rid] for r in self.pe_queue)
             assigned = pol.pe_fetch(grp.idx, queue, reports, self.de_node_of, self.de_read_q)
             if assigned:
@@ -350,6 +365,8 @@ class Simulator:
                 nd = self.nodes[node]
                 nd.read_fifo.append((req, tokens))
                 nd.read_q_tokens += tokens
+                if not nd.is_prefill:
+                    self.de_read_q[nd.idx] = nd.read_q_tokens
                 self._next_read(nd)
         if req.reads_left == 0:
             self._read_done(req)
@@ -373,6 +390,8 @@ class Simulator:
         def done() -> None:
             nd.is_reading = False
             nd.read_q_tokens -= tokens
+            if not nd.is_prefill:
+                self.de_read_q[nd.idx] = nd.read_q_tokens
             nd.read_tokens_total += tokens
             req.reads_left -= 1
             if req.reads_left == 0:
@@ -629,7 +648,8 @@ class Simulator:
                                            num_expert_parallel_engines=self.num_decode_engines)
                 if eng.num_decoding else 0.0
             )
-        step = max(self.engines[e].decode_step_s for e in grp.engines)
+        engines = self.engines
+        step = max([engines[e].decode_step_s for e in grp.engines])
         grp.step_s = step
         if grp.handle:
             self.loop.cancel(grp.handle)
@@ -709,29 +729,6 @@ class _DeNodeOf(Mapping[int, int]):
 
     def __len__(self) -> int:
         return len(self.sim.pe_queue)
-
-
-class _DeReadQ(Mapping[int, int]):
-    """node -> read queue in tokens, for the DE nodes of the requests waiting for a PE (what
-    a PE fetch may choose a read path against); a live view, so building it costs nothing."""
-
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
-
-    def __getitem__(self, node: int) -> int:
-        if not self.sim.config.cluster.num_prefill_nodes <= node < len(self.sim.nodes):
-            raise KeyError(node)
-        return self.sim.nodes[node].read_q_tokens
-
-    def _nodes(self) -> dict[int, None]:
-        engines = self.sim.engines
-        return dict.fromkeys(engines[r.de].node for r in self.sim.pe_queue)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._nodes())
-
-    def __len__(self) -> int:
-        return len(self._nodes())
 
 
 def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
