@@ -46,7 +46,10 @@ class EngineReport:
 
     def __post_init__(self) -> None:
         # Counters a policy compares against thresholds: a negative one is a caller bug that
-        # would silently pass every `<=` test, so fail loudly, naming the field.
+        # would silently pass every `<=` test, so fail loudly, naming the field. (One combined
+        # test first: reports are built per fetch, the per-field loop only runs on failure.)
+        if self.num_seqs >= 0 and self.num_tokens >= 0 and self.read_q_tokens >= 0:
+            return
         for name in ("num_seqs", "num_tokens", "read_q_tokens"):
             value = getattr(self, name)
             if value < 0:

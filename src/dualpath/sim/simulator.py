@@ -210,7 +210,9 @@ class Simulator:
                 for row in range(lo, hi):
                     self.loop.at(times[row], self._arrival_cb(k, row))
         until = drv.max_duration_s if drv.kind == "online" else math.inf
-        self.loop.run(until_s=until, should_stop=lambda: self.is_stopped)
+        # Only the online driver ever stops early: other runs skip the per-event check.
+        self.loop.run(until_s=until, should_stop=(lambda: self.is_stopped)
+                      if drv.kind == "online" else None)
         if drv.kind == "online" and not self.stop_reason:
             self.stop_reason = "max_duration"
         return build_result(self)
