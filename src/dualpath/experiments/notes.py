@@ -11,16 +11,17 @@ These causes apply to every section; each section's tables show how large the di
    trajectories (`dualpath.workload.synthetic`, being refined in parallel by the workload
    engineer, so numbers move with its commits). Offline JCT is the *last* agent's finish time,
    so it depends on the longest trajectories, which Table 2's averages do not pin down.
-2. **Decode cost of MoE models (a bug found here, fixed upstream after these runs).** Until
+2. **Decode cost of MoE models (a bug found here, fixed upstream during this work).** Until
    commit 40eb328 the cost model (`dualpath.sched.cost.decode_weight_read_bytes`) charged each
    decode step the MoE weights divided over the GPUs of *one node* (84 GB per step for
-   DeepSeek-V3.2), while the simulator places those weights over *all* decode GPUs (4 nodes at
-   2P4D, 21 GB each). The runs and the calibration in this report predate that fix. With the bug,
-   DS 660B decode steps cost about 45 ms even at small batches and grow little with batch
-   size, so DS 660B runs are bound by per-agent decode latency at 512-1,024 agents (Oracle JCT
-   hardly grows from 512 to 1,024 agents, where the paper's grows about 1.4x) and have too much
-   throughput at 2,048-4,096. Recalibrate and regenerate (`dualpath reproduce calibrate
-   --write`, then `dualpath reproduce all --quick`) to see the fixed model.
+   DeepSeek-V3.2), while the simulator places them over *all* decode GPUs (4 nodes at 2P4D,
+   21 GB each); 4b47c29 then refit the calibration. The quick runs at the top of this report
+   use the fixed model and the refit coefficients. The separate full-size runs at the end
+   (`full/a1024_2048`, `full/ablation_1024`, `full/online_ds27b_32k`) were made *before* the
+   fix: their DS 660B numbers carry the bug (decode steps of about 45 ms at any batch size, so
+   runs are bound by per-agent decode latency at 512-1,024 agents and have too much throughput
+   at 2,048), and the simulator has changed since (320341c). DS 27B at 1P1D is not affected by
+   the fix (its decode engines are one node). Re-run them to see the current model.
 3. **One GPU-time factor per model.** Calibration scales all GPU times of a model by one factor
    fitted to three Oracle cells; the relative cost of prefill, decode and fixed overheads comes
    from the roofline-style cost model, not from measurements of the paper's kernels.
