@@ -194,7 +194,10 @@ def advise(
                       for c in cands])
     best = cands[0]
     runner_up = cands[1] if len(cands) > 1 else None
-    body = (f"{s.label}, 64K-class trace `{ctx.mals[0] if ctx.mals else '64k'}`. SLO TTFT <= 4 s, "
+    dur = ctx.online_duration_s or (600 if ctx.is_quick else 2400)
+    body = (f"{s.label}, trace `{ctx.mals[0] if ctx.mals else '64k'}`, online runs of "
+            f"{dur:,.0f} simulated s. A capacity with no failing point above it is a lower "
+            "bound (the search stops after four doublings). SLO TTFT <= 4 s, "
             f"TPOT <= 50 ms. **Recommended: {best.label}** ({1e3 * best.aps_per_gpu:.2f} mAPS "
             "per GPU)"
             + (f"; runner-up {runner_up.label} ({1e3 * runner_up.aps_per_gpu:.2f})."
