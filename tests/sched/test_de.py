@@ -143,3 +143,12 @@ def test_is_validated_skips_only_the_report_checks() -> None:
     with pytest.raises(SpecError, match="decode"):
         de_group_fetch([req(0)], wrong_role, params())
     assert de_group_fetch([req(0)], wrong_role, params(), is_validated=True).num_assigned == 1
+
+
+def test_single_request_drain_matches_the_heap_path() -> None:
+    # A one-element list takes the min() shortcut; an iterator takes the heap: same choice,
+    # ties included (lower group id).
+    for loads in ({0: 5, 1: 3, 2: 3}, {4: 0, 2: 0}, {7: 10}, {0: 9, 1: 8, 2: 9}):
+        r = req(0, prompt=50)
+        assert de_global_drain([r], loads, params()) == de_global_drain(iter([r]), loads,
+                                                                        params())

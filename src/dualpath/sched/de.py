@@ -49,7 +49,12 @@ def de_global_drain(
     """
     if not group_load_tokens:
         raise SpecError("de_drain", "group_load_tokens", {}, "needs at least one DE group")
-    heap = [(load, gid) for gid, load in group_load_tokens.items()]
+    if isinstance(queue, Sequence) and len(queue) == 1:
+        # One request (the common case: a single arrival): the heap's top is the minimum
+        # (load, gid) pair; found in C without building the heap.
+        _, gid = min(zip(group_load_tokens.values(), group_load_tokens.keys(), strict=True))
+        return (GroupAssignment(queue[0].request_id, gid),)
+    heap = list(zip(group_load_tokens.values(), group_load_tokens.keys(), strict=True))
     heapq.heapify(heap)
     out: list[GroupAssignment] = []
     for r in queue:
