@@ -271,3 +271,17 @@ def test_utilization_series_integrate_to_bytes_carried() -> None:
         assert max(series) <= 1.0 + 1e-9
         assert sum(series) * 0.5 * cap == pytest.approx(r.storage_read_bytes_by_node[node],
                                                         rel=1e-6)
+
+
+def test_a_turn_no_decode_engine_can_hold_is_refused_up_front() -> None:
+    from dualpath.core.errors import SpecError
+
+    cl = ClusterSpec(hardware_preset("h800-deepseek").with_overrides(hbm_bytes=40 * GB),
+                     model_preset("qwen2.5-32b"), 1, 1)
+    # Qwen KV is 256 KiB/token: 40 GB x 0.9 - 33 GB of weights leaves room for ~11k tokens.
+    wl = _agents(num_agents=1, num_turns=1, append=64, gen=4, first=20_000)
+    with pytest.raises(SpecError, match="decode-engine HBM"):
+        _run(cl, wl, "dualpath")
+    small = _agents(num_agents=1, num_turns=2, append=64, gen=4, first=2_000)
+    r = _run(cl, small, "dualpath")
+    assert r.stop_reason == "completed" and r.num_completed == small.num_turns

@@ -320,9 +320,11 @@ def _qwen25_32b() -> ModelSpec:
         intermediate=27648,
         vocab_size=152064,
         kv_dtype_bytes=2,
-        weight_dtype_bytes=2,
+        weight_dtype_bytes=1,
         source="Qwen2.5-32B HF config: 64 layers, 40 heads, 8 KV heads, head dim 128, "
-        "intermediate 27648; FP16 KV (paper Table 1) = 256 KiB/token",
+        "intermediate 27648; FP16 KV (paper Table 1) = 256 KiB/token. Weights assumed FP8 "
+        "(inferred): the paper runs it data-parallel only (one GPU per replica), and FP16 "
+        "weights (65 GB) would leave an 80 GB GPU no room for one 64K-token FP16 KV (17 GB)",
     )
 
 

@@ -265,7 +265,9 @@ def build_result(sim: Simulator) -> SimResult:
         jct_s=jct,
         num_requests=len(reqs),
         num_completed=int((done >= 0).sum()),
-        stop_reason=sim.stop_reason or "completed",
+        stop_reason=sim.stop_reason or (
+            "completed" if all(r.t_done >= 0.0 for r in reqs) else "stalled"
+        ),
         records=records,
         resources=resources,
         utilization_bin_s=bin_s,

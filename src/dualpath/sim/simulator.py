@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 from dualpath.core.cluster import ClusterSpec
+from dualpath.core.errors import SpecError
 from dualpath.sched import cost as costmod
 from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
 from dualpath.sim.config import SimConfig
@@ -181,8 +182,26 @@ class Simulator:
         self.wl_hit = wl.hit_tokens.tolist()
         self.wl_gen = wl.gen_tokens.tolist()
         self.wl_starts = wl.starts.tolist()
+        self._check_requests_fit(de_hbm_kv)
         self.agent_rows: list[tuple[int, int]] = []
         self.agent_next: list[int] = []
+
+    def _check_requests_fit(self, de_hbm_kv_bytes: float) -> None:
+        """Refuse a workload whose largest turn can never be placed on a decode engine (its
+        HBM reservation exceeds what an empty engine has for KV): it would wait forever."""
+        if not self.wl_prompt:
+            return
+        row = max(range(len(self.wl_prompt)), key=lambda i: self.wl_prompt[i] + self.wl_gen[i])
+        need = self.policy.params.hbm_bytes(
+            WaitingRequest(0, self.wl_prompt[row], self.wl_hit[row], self.wl_gen[row])
+        )
+        if need > de_hbm_kv_bytes:
+            raise SpecError(
+                "sim", "workload", f"turn of {self.wl_prompt[row]}+{self.wl_gen[row]} tokens",
+                f"needs {need / 1e9:.1f} GB of decode-engine HBM for KV but an engine has "
+                f"{de_hbm_kv_bytes / 1e9:.1f} GB (HBM x {1 - self.params.hbm_reserve_fraction:g} "
+                "minus its weight share); use a shorter --mal, more HBM, or smaller KV/weights",
+            )
 
     def _link(self, name: str, kind: str, node: int, cap: float, bin_s: float) -> Link:
         link = Link(name, kind, node, cap, bin_s)
