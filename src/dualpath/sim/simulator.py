@@ -288,20 +288,26 @@ class Simulator:
 
     def _group_reports(self, engine_ids: list[int], role: Role) -> list[EngineReport]:
         """The engines' fetch reports; each is reused while nothing in it changed (most
-        engines of a group are untouched between two fetches)."""
+        engines of a group are untouched between two fetches).
+
+        Invariant: every change of an engine's `num_seqs`, `num_tokens` or `free_hbm_bytes`
+        drops its cached report (`_touch`), so only the node's read queue is compared here."""
         cache, engines, nodes = self._reports, self.engines, self.nodes
         out: list[EngineReport] = []
         for idx in engine_ids:
             e = engines[idx]
             old = cache.get(idx)
             read_q = nodes[e.node].read_q_tokens
-            free = int(e.free_hbm_bytes)
-            if (old is None or old.num_seqs != e.num_seqs or old.num_tokens != e.num_tokens
-                    or old.read_q_tokens != read_q or old.free_hbm_bytes != free):
-                old = EngineReport(idx, e.node, role, e.num_seqs, e.num_tokens, read_q, free)
+            if old is None or old.read_q_tokens != read_q:
+                old = EngineReport(idx, e.node, role, e.num_seqs, e.num_tokens, read_q,
+                                   int(e.free_hbm_bytes))
                 cache[idx] = old
             out.append(old)
         return out
+
+    def _touch(self, engine_id: int) -> None:
+        """Drop the cached report of an engine whose counters just changed."""
+        self._reports.pop(engine_id, None)
 
     def _dispatch_de(self) -> None:
         """Two-level DE scheduling: the global queue to groups, then a fetch by each group
@@ -339,6 +345,7 @@ class Simulator:
                 eng.num_seqs += 1
                 charge = pol.de_charge(self.waiting[rid])
                 eng.num_tokens += charge
+                self._touch(engine_id)
                 self.dgroup_tok[gi] += charge
                 self.pe_queue.append(req)
                 moved = True
@@ -369,6 +376,7 @@ class Simulator:
                 req.pe, req.t_pe = a.engine_id, self.loop.now_s
                 eng.num_seqs += 1
                 eng.num_tokens += pol.pe_charge(self.waiting[req.rid])
+                self._touch(a.engine_id)
                 self._start_reads(req, a.read)
 
     # -- storage reads --------------------------------------------------------------------------
@@ -561,6 +569,7 @@ class Simulator:
                 eng.ready.remove(req)
                 eng.num_seqs -= 1
                 eng.num_tokens -= self.policy.pe_charge(self.waiting[req.rid])
+                self._touch(req.pe)
         grp.is_busy = False
         if outbound:
             # Basic: every request of the step waits for the step's KV transfer to the DEs.
@@ -710,6 +719,7 @@ class Simulator:
         eng.num_seqs -= 1
         charge = self.policy.de_charge(self.waiting.pop(req.rid))
         eng.num_tokens -= charge
+        self._touch(req.de)
         gi = self.dgroup_index[req.de]
         self.dgroup_tok[gi] -= charge
         self.de_dirty.add(gi)
