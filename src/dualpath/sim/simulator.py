@@ -511,29 +511,32 @@ class Simulator:
         kv = self.kv_bpt
         inb: dict[Link, float] = {}
         out: dict[Link, float] = {}
-
-        def add(d: dict[Link, float], link: Link, nbytes: float) -> None:
-            if nbytes > 0:
-                d[link] = d.get(link, 0.0) + nbytes
-
+        engines, nodes = self.engines, self.nodes
+        # Adds inlined (a hot loop); a link enters a dict only with bytes > 0, and in this
+        # order, which fixes the flow's link order.
         for req, n in step:
-            pe = self.engines[req.pe]
-            de = self.engines[req.de]
-            pe_dram = self.nodes[pe.node].dram
-            de_dram = self.nodes[de.node].dram
+            pe = engines[req.pe]
+            de = engines[req.de]
+            pe_dram = nodes[pe.node].dram
+            de_dram = nodes[de.node].dram
             miss = n * kv
             if req.computed_tokens == 0:  # first chunk: the hits stream in (and out, PE path)
                 hp = req.pe_read_tokens * kv
                 hd = req.de_read_tokens * kv
-                add(inb, pe_dram, hp)
-                add(inb, pe.cnic_read, hp)
-                add(inb, pe.cnic_write, hp + hd)
-                add(inb, de_dram, hd)
-                add(inb, de.cnic_read, hd)
+                if hp > 0:
+                    inb[pe_dram] = inb.get(pe_dram, 0.0) + hp
+                    inb[pe.cnic_read] = inb.get(pe.cnic_read, 0.0) + hp
+                both = hp + hd
+                if both > 0:
+                    inb[pe.cnic_write] = inb.get(pe.cnic_write, 0.0) + both
+                if hd > 0:
+                    inb[de_dram] = inb.get(de_dram, 0.0) + hd
+                    inb[de.cnic_read] = inb.get(de.cnic_read, 0.0) + hd
                 miss += hp
-            add(out, pe.cnic_read, miss)
-            add(out, de.cnic_write, miss)
-            add(out, de_dram, miss)
+            if miss > 0:
+                out[pe.cnic_read] = out.get(pe.cnic_read, 0.0) + miss
+                out[de.cnic_write] = out.get(de.cnic_write, 0.0) + miss
+                out[de_dram] = out.get(de_dram, 0.0) + miss
         return inb, out
 
     def _set_forward_load(self, engines: list[int], is_busy: bool) -> None:
