@@ -8,8 +8,8 @@ DIFFERENCES = """## Where we differ from the paper, and why
 These causes apply to every section; each section's tables show how large the differences are.
 
 1. **Traces.** The paper's production traces are not public; we replay Table-2-matched synthetic
-   trajectories (`dualpath.workload.synthetic`, being refined in parallel by the workload
-   engineer, so numbers move with its commits). Offline JCT is the *last* agent's finish time,
+   trajectories (`dualpath.workload.synthetic`, seeded, within 5% of every Table 2 column).
+   Offline JCT is the *last* agent's finish time,
    so it depends on the longest trajectories, which Table 2's averages do not pin down.
 2. **Decode cost of MoE models (a bug found here, fixed upstream during this work).** Until
    commit 40eb328 the cost model (`dualpath.sched.cost.decode_weight_read_bytes`) charged each
@@ -36,9 +36,11 @@ These causes apply to every section; each section's tables show how large the di
    for 600 s, which is closer to steady but still not the paper's setting; quick online numbers
    show the machinery and the direction, not the paper's capacities.
 6. **Qwen2.5-32B is not calibrated.** The digest gives no Fig. 7 values for it, so its cost
-   coefficients are the packaged defaults, and the DualPath scheduler's 300 ms compute quota and
-   alpha/beta constants are derived from those unfitted costs. Where DualPath or Oracle comes
-   out slower than Basic for Qwen, the scheduler constants, not the I/O paths, are the suspect.
+   coefficients are the packaged defaults, and the scheduler's alpha/beta constants are derived
+   from those unfitted costs. Its preset assumes FP8 weights (inferred): run data-parallel on
+   one 80 GB GPU, FP16 weights (65 GB) would leave no room for one 64K-token FP16 KV (17 GB).
+   Earlier runs with FP16 weights had most turns wait forever for decode HBM, which made
+   DualPath and Oracle look slower than Basic; the simulator now refuses such a workload.
 7. **Balance metrics are defined by the simulator.** Storage-NIC Max/Avg is taken over all
    nodes' bytes read (the paper: three machines); attention Max/Avg is the simulator's mean
    over synchronized prefill steps of the slowest engine's attention time over the mean,
