@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dualpath.core.errors import SpecError
 from dualpath.sched.params import SchedulerParams
-from dualpath.sched.path import apply_read_plan, plan_read
+from dualpath.sched.path import plan_pair_read
 from dualpath.sched.snapshot import check_reports, read_queues_by_node
 from dualpath.sched.types import (
     DEAssignment,
@@ -193,11 +193,7 @@ def _plan_de(
     if pe_node_of is None or r.request_id not in pe_node_of:
         return None
     pe_node = pe_node_of[r.request_id]
-    plan = plan_read(params.path_mode, r.hit_tokens, pe_node, de_node,
-                     decide_q.get(pe_node, 0), decide_q.get(de_node, 0),
-                     params.block_size_tokens, tie_side=params.dual_tie_side)
-    apply_read_plan(plan, read_q)
-    return plan
+    return plan_pair_read(params, r.hit_tokens, pe_node, de_node, decide_q, read_q)
 
 
 def de_group_fetch_round_robin(

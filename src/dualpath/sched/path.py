@@ -17,10 +17,10 @@ chosen sides' `read_q` grow by exactly the tokens they read.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from dualpath.core.errors import SpecError
-from dualpath.sched.params import PathMode
+from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import ReadPlan, ReadSide
 
 
@@ -92,3 +92,20 @@ def apply_read_plan(plan: ReadPlan, read_q_tokens_by_node: MutableMapping[int, i
         read_q_tokens_by_node[plan.de_node_id] = (
             read_q_tokens_by_node.get(plan.de_node_id, 0) + plan.de_read_tokens
         )
+
+
+def plan_pair_read(
+    params: SchedulerParams,
+    hit_tokens: int,
+    pe_node: int,
+    de_node: int,
+    decide_q: Mapping[int, int],
+    read_q: MutableMapping[int, int],
+) -> ReadPlan:
+    """Plan the read of a request whose PE and DE nodes are both known: decide on `decide_q`
+    (the live queues, or a fetch-start snapshot) and add the read to `read_q`."""
+    plan = plan_read(params.path_mode, hit_tokens, pe_node, de_node,
+                     decide_q.get(pe_node, 0), decide_q.get(de_node, 0),
+                     params.block_size_tokens, tie_side=params.dual_tie_side)
+    apply_read_plan(plan, read_q)
+    return plan
