@@ -199,3 +199,26 @@ def test_kill_9_mid_write_leaves_no_torn_readable_block(tmp_path: Path) -> None:
     # Partial writes exist only under temp names that readers never open.
     for tmp in tmp_path.glob("*/.tmp-*"):
         assert tmp.stat().st_size <= HEADER_BYTES + nbytes
+
+
+def test_threads_opening_a_new_store_together_all_read_its_metadata(tmp_path: Path) -> None:
+    # Threads share a pid: a shared temp name once let one truncate the linked store.json
+    # while another read it.
+    import threading
+
+    errors: list[BaseException] = []
+
+    def open_store(root: Path) -> None:
+        try:
+            BlockStore(root, 4096)
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    for trial in range(20):
+        root = tmp_path / f"s{trial}"
+        threads = [threading.Thread(target=open_store, args=(root,)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []

@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import struct
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -143,8 +144,12 @@ class BlockStore:
         except OSError as exc:
             raise StoreError(f"{self.root}: cannot create store root ({exc.strerror})") from None
         if not meta_path.exists():
-            tmp = self.root / f".tmp-store.json-{os.getpid()}"
-            tmp.write_text(json.dumps(want) + "\n", encoding="utf-8")
+            # A fresh file per caller: threads of one process share a pid, and rewriting a
+            # shared temp name would truncate the inode already linked as store.json.
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-store.json-", dir=self.root)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(want) + "\n")
+            tmp = Path(tmp_name)
             # Another process may win the race; os.link fails if it did, and we then read
             # (and check) its metadata instead of overwriting it.
             try:
