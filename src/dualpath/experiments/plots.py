@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -17,6 +18,18 @@ COLORS = {
     "split": "#c44e52",
     "round_robin": "#8172b3",
 }
+
+
+def _finish(fig: Any, ax: Any, path: Path, title: str, grid_axis: str) -> Path:
+    """Title, legend and grid, then save to `path` (folders created) and free the figure."""
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis=grid_axis, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def grouped_bars(
@@ -53,14 +66,7 @@ def grouped_bars(
     ax.set_ylabel(ylabel)
     if xlabel:
         ax.set_xlabel(xlabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title, grid_axis="y")
 
 
 def lines(
@@ -88,14 +94,7 @@ def lines(
         ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title, grid_axis="both")
 
 
 def stacked_bars(
@@ -116,11 +115,4 @@ def stacked_bars(
     ax.set_ylabel(ylabel)
     if xlabel:
         ax.set_xlabel(xlabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title, grid_axis="y")
