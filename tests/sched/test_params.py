@@ -9,7 +9,6 @@ from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.sched import (
     PathMode,
-    SchedulerParams,
     TokCharge,
     coefficients_for,
     derive_scheduler_params,
@@ -40,6 +39,13 @@ def test_overrides_win_and_bad_values_name_the_field() -> None:
     assert (p.alpha_tokens, p.beta_tokens, p.z_factor) == (7, 8, 1.2)
     with pytest.raises(SpecError, match=r"scheduler\.z_factor=0"):
         derive_scheduler_params(V32, H800, z_factor=0)
-    with pytest.raises(SpecError, match=r"scheduler\.path_mode='dual'"):
-        SchedulerParams(alpha_tokens=1, beta_tokens=1, kv_bytes_per_token=1,
-                        path_mode="dual")  # type: ignore[arg-type]
+    # Enum fields take their values as strings; anything else names the field.
+    assert derive_scheduler_params(V32, H800, path_mode="split").path_mode is PathMode.SPLIT
+    with pytest.raises(SpecError, match=r"scheduler\.path_mode='both'.*one of pe, dual, split"):
+        derive_scheduler_params(V32, H800, path_mode="both")
+    with pytest.raises(SpecError, match=r"scheduler\.z_factor='big'.*number"):
+        derive_scheduler_params(V32, H800, z_factor="big")
+    with pytest.raises(SpecError, match=r"scheduler\.r_set_stops_at_first_misfit=1"):
+        derive_scheduler_params(V32, H800).with_overrides(r_set_stops_at_first_misfit=1)
+    with pytest.raises(SpecError, match=r"scheduler\.zz=1.*unknown field"):
+        derive_scheduler_params(V32, H800, zz=1)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dualpath.core.errors import SpecError
+from dualpath.core.pickling import pickle_by_fields
 from dualpath.core.validate import positive
 from dualpath.sched.cost import AttentionTimeEstimator
 
@@ -128,3 +129,7 @@ def pack_prefill_batch(
             t += estimator.pair_time_s(item.cached_tokens, bsz)
         break
     return PrefillBatch(tuple(entries), t if entries else 0.0)  # no batch, no forward pass
+
+
+# Compiled (mypyc) frozen dataclasses unpickle only by constructor (runtime messages).
+pickle_by_fields(PrefillItem, BatchEntry, PrefillBatch)

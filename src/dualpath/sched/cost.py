@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.hardware import HardwareSpec
 from dualpath.core.model import ModelSpec
+from dualpath.core.pickling import pickle_by_fields
 from dualpath.core.validate import non_negative, positive
 
 WILDCARD = "*"
@@ -347,3 +348,7 @@ def prefill_tokens_per_s(
     if t <= 0 or not math.isfinite(t):
         raise SpecError("cost", "prefill_step_time_s", t, "must be a finite number > 0")
     return per_pass * (cached_tokens + new_tokens) / t
+
+
+# Compiled (mypyc) frozen dataclasses unpickle only by constructor (runtime messages).
+pickle_by_fields(CostCoefficients, CostModelEstimator)

@@ -26,6 +26,7 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -33,6 +34,7 @@ from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
 from dualpath.core.hardware import HardwareSpec
 from dualpath.core.model import ModelSpec
+from dualpath.core.pickling import pickle_by_fields
 from dualpath.core.validate import non_negative, positive, positive_int
 from dualpath.sched.cost import CostCoefficients, coefficients_for, prefill_tokens_per_s
 from dualpath.sched.types import ReadSide, WaitingRequest
@@ -141,7 +143,8 @@ class SchedulerParams:
 
     def with_overrides(self, **fields: object) -> SchedulerParams:
         """A copy with some fields replaced (validated again)."""
-        return replace(self, **fields)  # type: ignore[arg-type]
+        checked = {name: _checked_override(name, value) for name, value in fields.items()}
+        return replace(self, **checked)  # type: ignore[arg-type]
 
 
 def derive_alpha_tokens(model: ModelSpec, hw: HardwareSpec, read_s: float = ALPHA_READ_S) -> float:
@@ -165,6 +168,43 @@ def derive_beta_tokens(
     return process_s * requests_per_s * charge.tokens(r)
 
 
+_ENUMS: dict[str, type[Enum]] = {
+    "path_mode": PathMode, "pe_tok_charge": TokCharge, "de_tok_charge": TokCharge,
+    "hbm_need": HbmNeed, "assignment_order": AssignmentOrder, "dual_tie_side": ReadSide,
+}
+_BOOLS = ("update_read_q_within_fetch", "r_set_stops_at_first_misfit")
+
+
+def _checked_override(name: str, value: object) -> object:
+    """An override as its field's type (an enum field also takes its value as a string), or
+    a SpecError naming the field: the class may be compiled (`dualpath._compiled`), and a
+    compiled class rejects a wrongly typed value with a bare TypeError."""
+    known = {f.name for f in dataclasses.fields(SchedulerParams)}
+    if name not in known:
+        raise SpecError("scheduler", name, value,
+                        f"unknown field (known: {', '.join(sorted(known))})")
+    kind = _ENUMS.get(name)
+    if kind is not None:
+        if isinstance(value, kind):
+            return value
+        try:
+            return kind(value)
+        except ValueError:
+            valid = ", ".join(str(k.value) for k in kind)
+            raise SpecError("scheduler", name, value, f"must be one of {valid}") from None
+    if name in _BOOLS:
+        if not isinstance(value, bool):
+            raise SpecError("scheduler", name, value, "must be true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError("scheduler", name, value, "must be a number")
+    if name == "block_size_tokens":
+        if value != int(value):
+            raise SpecError("scheduler", name, value, "must be an integer")
+        return int(value)
+    return value
+
+
 def derive_scheduler_params(
     model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients | None = None,
     **overrides: object,
@@ -172,6 +212,7 @@ def derive_scheduler_params(
     """Paper-default parameters for this model and hardware; `overrides` replace any field
     (an explicit `alpha_tokens` / `beta_tokens` skips its derivation)."""
     coeffs = coeffs if coeffs is not None else coefficients_for(model, hw)
+    overrides = {name: _checked_override(name, value) for name, value in overrides.items()}
     charge = overrides.get("pe_tok_charge", TokCharge.PROMPT)
     quota = overrides.get("compute_quota_s", COMPUTE_QUOTA_S)
     if not isinstance(charge, TokCharge):
@@ -186,3 +227,7 @@ def derive_scheduler_params(
     }
     fields.update(overrides)
     return SchedulerParams(**fields)  # type: ignore[arg-type]
+
+
+# Compiled (mypyc) frozen dataclasses unpickle only by constructor (runtime messages).
+pickle_by_fields(SchedulerParams)

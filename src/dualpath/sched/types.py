@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dualpath.core.errors import SpecError
+from dualpath.core.pickling import pickle_by_fields
 
 
 class Role(str, Enum):
@@ -260,3 +261,8 @@ class DEFetch:
     @property
     def num_assigned(self) -> int:
         return len(self.assignments)
+
+
+# Compiled (mypyc) frozen dataclasses unpickle only by constructor (runtime messages).
+pickle_by_fields(EngineReport, EngineGroup, WaitingRequest, ReadPlan, PEAssignment, PEFetch,
+                 GroupAssignment, DEAssignment, DEFetch)

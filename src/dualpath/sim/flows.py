@@ -51,7 +51,7 @@ class Link:
         self.name = name
         self.kind = kind
         self.node = node
-        self.capacity_bytes_per_s = capacity_bytes_per_s
+        self.capacity_bytes_per_s = float(capacity_bytes_per_s)
         self.flows: dict[Flow, float] = {}
         self.load_bytes_per_s = 0.0
         self.bound_load = 0.0

@@ -110,9 +110,7 @@ class Policy:
         """The next forward batch of one PE: the intra-engine compute quota (dualpath) or a
         token cap (round robin); without layerwise prefill, the batch's whole KV (cached + new)
         must also fit the PE's HBM (at least the head runs)."""
-        items: Iterator[batching.PrefillItem] = (
-            batching.PrefillItem(r.rid, r.cached_tokens, r.remaining_tokens) for r in ready
-        )
+        items = _prefill_items(ready)
         if self.is_dualpath:
             batch = batching.pack_prefill_batch(items, self.params.compute_quota_s, self.estimator)
         else:
@@ -129,3 +127,9 @@ class Policy:
             out.append((req, entry.num_new_tokens))
         return out
 
+
+def _prefill_items(ready: Sequence[Req]) -> Iterator[batching.PrefillItem]:
+    """Lazily, as the packer stops early (a generator function: mypyc compiles a generator
+    expression into a list)."""
+    for r in ready:
+        yield batching.PrefillItem(r.rid, r.cached_tokens, r.remaining_tokens)

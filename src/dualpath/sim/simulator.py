@@ -27,7 +27,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
 from dualpath.core.cluster import ClusterSpec
@@ -335,7 +335,7 @@ class Simulator:
                 continue
             reports = self._group_reports(grp.engines, Role.DECODE)
             # Lazy: R stops at the first misfit, so a long private queue is not walked.
-            pending = (waiting_of[r.rid] for r in queue)
+            pending = _waiting_of(waiting_of, queue)
             for rid, engine_id, hbm in pol.de_fetch(gi, pending, reports):
                 req = pol.pop_private(gi, self.waiting[rid])
                 assert req.rid == rid
@@ -365,7 +365,7 @@ class Simulator:
             if all(self.engines[e].num_tokens > beta for e in grp.engines):
                 continue  # every engine is overloaded: its fetch would return nothing
             reports = self._group_reports(grp.engines, Role.PREFILL)
-            queue = (self.waiting[r.rid] for r in self.pe_queue)
+            queue = _waiting_of(self.waiting, self.pe_queue)
             assigned = pol.pe_fetch(grp.idx, queue, reports, self.de_node_of, self.de_read_q)
             if assigned:
                 self.next_pgroup = (grp.idx + 1) % num
@@ -659,7 +659,7 @@ class Simulator:
         grp = self.dgroup_of[req.de]
         s = self._steps_now(grp)
         start = math.ceil(s - 1e-9)
-        req.finish_step = start + req.gen - 1
+        req.finish_step = float(start + req.gen - 1)
         grp.anchor_s, grp.anchor_steps = now, s
         heapq.heappush(grp.members, (req.finish_step, req.rid, req))
         eng = self.engines[req.de]
@@ -740,6 +740,15 @@ class Simulator:
             self._arrive(req.agent, nxt)
         else:
             self._dispatch_de()
+
+
+def _waiting_of(
+    waiting: dict[int, WaitingRequest], reqs: Iterable[Req]
+) -> Iterator[WaitingRequest]:
+    """The scheduler's view of `reqs`, lazily: a fetch stops early, so long queues are not
+    walked (a generator function: mypyc compiles a generator expression into a list)."""
+    for r in reqs:
+        yield waiting[r.rid]
 
 
 class _DeNodeOf(Mapping[int, int]):
