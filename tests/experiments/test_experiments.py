@@ -112,7 +112,7 @@ def test_assemble_report_from_sections_and_full_runs(tmp_path: Path) -> None:
     (full / "section_fig7.md").write_text("## Fig. 7: offline JCT\n\n![x](fig7_x.png)\n")
     rebuilt = assemble_report(out, tmp_path / "again.md").read_text()
     assert "![fig7_ds27b_1p1d](figures/fig7_ds27b_1p1d.png)" in rebuilt
-    assert "## Separate run: Fig. 7: offline JCT" in rebuilt
+    assert "## Separate run (full/big): Fig. 7: offline JCT" in rebuilt
     assert "](figures/full/big/fig7_x.png)" in rebuilt
     assert "Where we differ from the paper" in rebuilt
 

@@ -17,6 +17,7 @@ from dualpath.sched import (
     de_group_fetch,
     de_group_fetch_round_robin,
 )
+from dualpath.sched.de import de_least_loaded_group
 
 BIG = 10**12
 
@@ -152,3 +153,12 @@ def test_single_request_drain_matches_the_heap_path() -> None:
         r = req(0, prompt=50)
         assert de_global_drain([r], loads, params()) == de_global_drain(iter([r]), loads,
                                                                         params())
+
+
+def test_least_loaded_group_is_the_drain_choice_for_one_request() -> None:
+    # Loads held by group index (the simulator's form): the same group as the drain picks.
+    for loads in ([5, 3, 3], [0, 0], [10], [9, 8, 9, 8], [2, 1, 0, 0, 1]):
+        (a,) = de_global_drain([req(0, prompt=50)], dict(enumerate(loads)), params())
+        assert de_least_loaded_group(loads) == a.group_id
+    with pytest.raises(SpecError, match="at least one DE group"):
+        de_least_loaded_group([])

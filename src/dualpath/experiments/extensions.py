@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from dualpath.experiments import plots
 from dualpath.experiments.offline import table3_offline
 from dualpath.experiments.online import (
+    MAX_DOUBLINGS,
+    MAX_HALVINGS,
     TPOT_SLO_S,
     TTFT_SLO_S,
     OnlinePoint,
@@ -138,8 +140,11 @@ class Candidate:
     num_decode_nodes: int
     mode: str
     capacity_aps: float
+    """Highest APS found meeting the SLO (0 if none)."""
     num_gpus: int
     bottleneck: str
+    capacity_text: str
+    """The capacity as reported: `X`, `>= X` (a lower bound) or `< X` (an upper bound)."""
 
     @property
     def aps_per_gpu(self) -> float:
@@ -181,23 +186,26 @@ def advise(
     cands = []
     for p, d in pds:
         for m in modes:
-            cap, pts = capacity(ctx, setup_name, m, steps, (p, d))
-            above = [q for q in pts if not q.meets_slo and q.aps > cap]
-            fail = min(above, key=lambda q: q.aps) if above else None
-            cands.append(Candidate(p, d, m, cap, (p + d) * hw_g, bottleneck(fail)))
+            cap = capacity(ctx, setup_name, m, steps, (p, d))
+            fail = next((q for q in cap.points if q.aps == cap.failing_aps), None)
+            cands.append(Candidate(p, d, m, cap.passing_aps, (p + d) * hw_g, bottleneck(fail),
+                                   cap.text()))
     cands.sort(key=lambda c: -c.aps_per_gpu)
-    rows = [[c.label, c.num_gpus, f"{c.capacity_aps:.3f}", f"{1e3 * c.aps_per_gpu:.2f}",
+    rows = [[c.label, c.num_gpus, c.capacity_text, f"{1e3 * c.aps_per_gpu:.2f}",
              c.bottleneck] for c in cands]
     csvp = write_csv(ctx.path("advise.csv"),
-                     ["config", "gpus", "capacity_aps", "aps_per_gpu", "bottleneck"],
-                     [[c.label, c.num_gpus, c.capacity_aps, c.aps_per_gpu, c.bottleneck]
-                      for c in cands])
+                     ["config", "gpus", "capacity_aps", "capacity", "aps_per_gpu",
+                      "bottleneck"],
+                     [[c.label, c.num_gpus, c.capacity_aps, c.capacity_text, c.aps_per_gpu,
+                       c.bottleneck] for c in cands])
     best = cands[0]
     runner_up = cands[1] if len(cands) > 1 else None
     dur = ctx.online_duration_s or (600 if ctx.is_quick else 2400)
     body = (f"{s.label}, trace `{ctx.mals[0] if ctx.mals else '64k'}`, online runs of "
-            f"{dur:,.0f} simulated s. A capacity with no failing point above it is a lower "
-            "bound (the search stops after four doublings). SLO TTFT <= 4 s, "
+            f"{dur:,.0f} simulated s. Capacity: doubled from a guess while the SLO is met (up "
+            f"to {2**MAX_DOUBLINGS}x), halved while it fails (down to 1/{2**MAX_HALVINGS}), then "
+            "bisected; `>= X` met the SLO even at the highest APS tried (a lower bound, ranked "
+            "by X), `< X` failed even at the lowest. SLO TTFT <= 4 s, "
             f"TPOT <= 50 ms. **Recommended: {best.label}** ({1e3 * best.aps_per_gpu:.2f} mAPS "
             "per GPU)"
             + (f"; runner-up {runner_up.label} ({1e3 * runner_up.aps_per_gpu:.2f})."

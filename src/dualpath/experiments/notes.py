@@ -15,11 +15,10 @@ These causes apply to every section; each section's tables show how large the di
    commit 40eb328 the cost model (`dualpath.sched.cost.decode_weight_read_bytes`) charged each
    decode step the MoE weights divided over the GPUs of *one node* (84 GB per step for
    DeepSeek-V3.2), while the simulator places them over *all* decode GPUs (4 nodes at 2P4D,
-   21 GB each); 4b47c29 then refit the calibration. The quick runs and the full-size runs
-   `full/fig7_64k` and `full/ablation_1024_2048` use the fixed model and the refit
-   coefficients. The separate run `full/online_ds27b_32k` was made before the fix and before
-   the simulator change 320341c; DS 27B at 1P1D is not affected by the fix (its decode
-   engines are one node), but re-run it to see the current simulator.
+   21 GB each); 4b47c29 then refit the calibration. The quick runs and every full-size run
+   under `full/` (Fig. 7, ablation, advisor, the 64K online runs of DS 27B 1P1D and
+   DeepSeek-V3.2 2P4D) use the fixed model and the refit coefficients; an older 32K DS 27B
+   online run made before the fix was removed.
 3. **One GPU-time factor per model.** Calibration scales all GPU times of a model by one factor
    fitted to three Oracle cells; the relative cost of prefill, decode and fixed overheads comes
    from the roofline-style cost model, not from measurements of the paper's kernels.

@@ -5,7 +5,8 @@ breakdown, and the online half of Table 3.
 SLO (paper §7.2): TTFT <= 4 s and TPOT <= 50 ms. Judged here on the means over turns that
 arrive after the first third of the run (the start of a run is empty and flatters every system);
 a run is aborted, and fails, as soon as one turn waits more than 20 s for its first token.
-Capacity is found per system by doubling/halving from a guess, then bisection.
+Capacity is bracketed per system by doubling (while the SLO is met, up to 64x) or halving (while
+it fails, down to 1/16) from a guess, then bisected; an open bracket is reported as a bound.
 """
 
 from __future__ import annotations
@@ -86,37 +87,107 @@ def point(
     return steady_point(ctx.runner.run(_spec(ctx, name, mode, aps, pd)), aps)
 
 
+MAX_DOUBLINGS = 6
+"""The search doubles from the guess at most this often (64x): meeting the SLO there still, the
+capacity is reported as a lower bound."""
+MAX_HALVINGS = 4
+"""The search halves from the guess at most this often (1/16): failing there still, the capacity
+is reported as an upper bound."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One system's SLO capacity as the search bracketed it: the true capacity lies in
+    [passing_aps, failing_aps); either end may be open (0 or inf) when the search hit its limit."""
+
+    passing_aps: float
+    """Highest APS run that met the SLO (0: none did, down to guess/16)."""
+    failing_aps: float
+    """Lowest APS run above `passing_aps` that failed the SLO (inf: none did, up to 64x guess)."""
+    points: tuple[OnlinePoint, ...]
+    """Every point run, by APS."""
+
+    @property
+    def is_lower_bound(self) -> bool:
+        """Met the SLO at the highest APS tried: the capacity is at least `passing_aps`."""
+        return self.passing_aps > 0 and math.isinf(self.failing_aps)
+
+    @property
+    def is_upper_bound(self) -> bool:
+        """Failed even at the lowest APS tried: the capacity is below `failing_aps`."""
+        return self.passing_aps == 0
+
+    @property
+    def is_bracketed(self) -> bool:
+        return not (self.is_lower_bound or self.is_upper_bound)
+
+    def text(self, digits: int = 3) -> str:
+        """`X` when bracketed, `>= X` for a lower bound, `< X` for an upper bound."""
+        if self.is_upper_bound:
+            return f"< {self.failing_aps:.{digits}f}"
+        return (">= " if self.is_lower_bound else "") + f"{self.passing_aps:.{digits}f}"
+
+
+def ratio_text(num: Capacity, den: Capacity) -> str:
+    """`num / den` of reported capacities, with the direction an open end allows, if any."""
+    if num.is_bracketed and den.is_bracketed:
+        return f"{num.passing_aps / den.passing_aps:.2f}x"
+    if num.is_lower_bound and den.is_bracketed:
+        return f">= {num.passing_aps / den.passing_aps:.2f}x"
+    if num.is_bracketed and den.is_lower_bound:
+        return f"<= {num.passing_aps / den.passing_aps:.2f}x"
+    if den.is_upper_bound and not num.is_upper_bound:
+        return f"> {num.passing_aps / den.failing_aps:.2f}x"
+    if num.is_upper_bound and not den.is_upper_bound:
+        return f"< {num.failing_aps / den.passing_aps:.2f}x"
+    return "undetermined (both capacities are bounds on the same side)"
+
+
 def capacity(
     ctx: Context, name: str, mode: str, steps: int, pd: tuple[int, int] | None = None,
     guess_aps: float = 0.0,
-) -> tuple[float, list[OnlinePoint]]:
-    """Largest APS found meeting the SLO (0 if none down to guess/16) and every point run."""
+) -> Capacity:
+    """Bracket the SLO capacity of `mode`: from the guess, double while the SLO is met (at most
+    `MAX_DOUBLINGS` times) or halve while it fails (at most `MAX_HALVINGS` times), then bisect
+    the bracket `steps` times."""
     pts: list[OnlinePoint] = []
-    aps = guess_aps or APS_GUESS.get(name, 0.3)
-    p = point(ctx, name, mode, aps, pd)
-    pts.append(p)
-    lo, hi = (aps, 0.0) if p.meets_slo else (0.0, aps)
-    for _ in range(3 if ctx.is_quick else 4):
-        if lo > 0 and hi > 0:
-            break
-        aps = aps * 2 if lo > 0 else aps / 2
+
+    def meets(aps: float) -> tuple[bool, float]:
         p = point(ctx, name, mode, aps, pd)
         pts.append(p)
-        if p.meets_slo:
-            lo = max(lo, aps)
-        else:
-            hi = aps if hi == 0 else min(hi, aps)
+        return p.meets_slo, p.aps
+
+    guess = guess_aps or APS_GUESS.get(name, 0.3)
+    lo, hi = 0.0, math.inf
+    ok, aps = meets(guess)
+    if ok:
+        lo = aps
+        for k in range(1, MAX_DOUBLINGS + 1):
+            ok, aps = meets(guess * 2**k)
+            if not ok:
+                hi = aps
+                break
+            lo = aps
+    else:
+        hi = aps
+        for k in range(1, MAX_HALVINGS + 1):
+            ok, aps = meets(guess / 2**k)
+            if ok:
+                lo = aps
+                break
+            hi = aps
     for _ in range(steps):
-        if lo == 0 or hi == 0:
+        if lo == 0 or math.isinf(hi):
             break
-        mid = (lo + hi) / 2
-        p = point(ctx, name, mode, mid, pd)
-        pts.append(p)
-        if p.meets_slo:
-            lo = mid
+        mid = round((lo + hi) / 2, 4)
+        if mid in (lo, hi):  # the bracket is narrower than the rounding of an APS
+            break
+        ok, aps = meets(mid)
+        if ok:
+            lo = aps
         else:
-            hi = mid
-    return lo, sorted(pts, key=lambda q: q.aps)
+            hi = aps
+    return Capacity(lo, hi, tuple(sorted(pts, key=lambda q: q.aps)))
 
 
 def fig10_11(ctx: Context) -> Section:
@@ -133,27 +204,25 @@ def fig10_11(ctx: Context) -> Section:
             f"seconds, {ctx.mals[0] if ctx.mals else ('32k' if ctx.is_quick else '64k')} "
             "trace); "
             "a run fails early once any turn's TTFT exceeds 20 s. Capacity = highest APS "
-            f"found meeting the SLO after doubling/halving and {steps} bisection steps.", ""]
+            "found meeting the SLO: from a guess, doubled while the SLO is met (up to "
+            f"{2**MAX_DOUBLINGS}x) or halved while it fails (down to 1/{2**MAX_HALVINGS}), then "
+            f"{steps} bisection steps. `>= X`: met even at the highest APS tried (a lower "
+            "bound); `< X`: failed even at the lowest.", ""]
     cap_rows = []
     for name in setups:
-        caps: dict[str, float] = {}
+        caps: dict[str, Capacity] = {}
         allpts: dict[str, list[OnlinePoint]] = {}
         for m in modes:
-            caps[m], allpts[m] = capacity(ctx, name, m, steps)
+            caps[m] = capacity(ctx, name, m, steps)
+            allpts[m] = list(caps[m].points)
             for q in allpts[m]:
                 rows.append([name, m, q.aps, q.ttft_s, q.ttst_s, q.tpot_s, q.trajectory_jct_s,
                              q.breakdown_s["queue"] + q.breakdown_s["allocation"],
                              q.breakdown_s["read"], q.breakdown_s["prefill"], q.stop_reason,
                              int(q.meets_slo)])
-        # A capacity with no failing point above it is only a lower bound (search limit).
-        is_open = {m: not any(not q.meets_slo and q.aps > caps[m] for q in allpts[m])
-                   for m in modes}
-        ratio = caps["dualpath"] / caps["basic"] if caps["basic"] > 0 else math.inf
-        ratio_text = ("undetermined (a capacity is only a lower bound)"
-                      if is_open["dualpath"] or is_open["basic"] else f"{ratio:.2f}x")
-        cap_rows.append([setup(name).label]
-                        + [(">= " if is_open[m] else "") + f"{caps[m]:.3f}" for m in modes]
-                        + [ratio_text, f"{PAPER_CAPACITY_RATIO.get(name, 0):.2f}x"])
+        cap_rows.append([setup(name).label] + [caps[m].text() for m in modes]
+                        + [ratio_text(caps["dualpath"], caps["basic"]),
+                           f"{PAPER_CAPACITY_RATIO.get(name, 0):.2f}x"])
         for metric, unit, label, hl in (
             ("ttft_s", 1.0, "mean TTFT (s)", (TTFT_SLO_S, "SLO 4 s")),
             ("ttst_s", 1.0, "mean TTST (s)", None),

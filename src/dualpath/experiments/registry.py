@@ -124,9 +124,10 @@ def _append_full(out_dir: Path, report: Path) -> None:
     if extra:
         with open(report, "a", encoding="utf-8") as f:
             f.write("\n# Separate runs\n\nSections written by separate `dualpath reproduce "
-                    "... --out " + str(out_dir / "full") + "/...` runs (full-size Fig. 7 cells) "
-                    "and `dualpath advise --out ...`, each with its own scale and wall time, "
-                    "included verbatim.\n\n" + extra)
+                    "... --out " + str(out_dir / "full") + "/...` runs (full-size cells and "
+                    "setups the quick report scales down) and `dualpath advise --out ...`, each "
+                    "with its own scale and wall time, included verbatim and headed by its "
+                    "folder.\n\n" + extra)
 
 
 def assemble_report(out_dir: Path, report: Path) -> Path:
@@ -165,5 +166,7 @@ def included_sections(folder: Path, report_dir: Path) -> str:
     parts = []
     for f in sorted(folder.rglob("section_*.md")):
         text = _relink(f.read_text(encoding="utf-8"), f.parent, report_dir)
-        parts.append(text.replace("## ", "## Separate run: ", 1))
+        # Named by its folder: two runs of one experiment (e.g. two setups) share a title.
+        where = f.parent.relative_to(folder.parent).as_posix()
+        parts.append(text.replace("## ", f"## Separate run ({where}): ", 1))
     return "\n".join(parts)

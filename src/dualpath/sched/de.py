@@ -64,6 +64,22 @@ def de_global_drain(
     return tuple(out)
 
 
+def de_least_loaded_group(group_load_tokens: Sequence[int]) -> int:
+    """Phase 1 for a single request: the index of the minimum load, ties to the lower index.
+    The same choice as `de_global_drain` over `dict(enumerate(group_load_tokens))` for a queue
+    of one request, without building the mapping (a caller that holds loads by group index
+    runs it on every arrival, over every DE group)."""
+    if not group_load_tokens:
+        raise SpecError("de_drain", "group_load_tokens", [], "needs at least one DE group")
+    best = 0
+    best_load = group_load_tokens[0]
+    for g in range(1, len(group_load_tokens)):
+        load = group_load_tokens[g]
+        if load < best_load:
+            best, best_load = g, load
+    return best
+
+
 def de_global_drain_round_robin(
     queue: Iterable[WaitingRequest], group_ids: Sequence[int], start: int = 0
 ) -> tuple[tuple[GroupAssignment, ...], int]:

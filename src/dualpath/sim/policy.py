@@ -62,8 +62,10 @@ class Policy:
         if self.is_dualpath:
             # A group's load includes the requests already committed to its private queue.
             # (Built in C: this runs on every arrival, over every DE group.)
-            load = dict(enumerate(map(operator.add, group_tok, self.private_tok)))
-            out = de.de_global_drain(queue, load, self.params)
+            loads = list(map(operator.add, group_tok, self.private_tok))
+            if len(queue) == 1:
+                return [(queue[0].request_id, de.de_least_loaded_group(loads))]
+            out = de.de_global_drain(queue, dict(enumerate(loads)), self.params)
         else:
             out, self._rr_group = de.de_global_drain_round_robin(
                 queue, list(range(len(group_tok))), self._rr_group

@@ -78,6 +78,9 @@ class Simulator:
         cl: ClusterSpec = config.cluster
         self.model, self.hw = cl.model, cl.hardware
         self.mode = config.mode
+        # The mode's switches, read on every step (`Mode.is_oracle` is a property).
+        self.is_oracle = config.mode.is_oracle
+        self.is_layerwise = config.mode.is_layerwise
         self.params = config.params
         self.progress = progress
         self.loop = EventLoop()
@@ -384,7 +387,7 @@ class Simulator:
         pe_tokens = plan.pe_read_tokens if plan is not None else req.hit
         de_tokens = plan.de_read_tokens if plan is not None else 0
         req.pe_read_tokens, req.de_read_tokens = pe_tokens, de_tokens
-        if self.mode.is_oracle:
+        if self.is_oracle:
             self._read_done(req)
             return
         for tokens, node in ((pe_tokens, self.engines[req.pe].node),
@@ -454,7 +457,7 @@ class Simulator:
                 continue
             pairs = []
             for req, n in self.policy.pack(eng.ready, self.pe_hbm_kv_bytes,
-                                           self.mode.is_layerwise):
+                                           self.is_layerwise):
                 step.append((req, n))
                 pairs.append((req.cached_tokens, n))
                 total_new += n
@@ -480,12 +483,12 @@ class Simulator:
         compute_s += coeffs.per_step_overhead_s
         self.num_prefill_steps += 1
         self._set_forward_load(grp.engines, True)
-        if self.mode.is_oracle:
+        if self.is_oracle:
             grp.timer_pending = True
             self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
             return
         inbound, outbound = self._step_bytes(step)
-        if self.mode.is_layerwise:
+        if self.is_layerwise:
             grp.timer_pending = True
             grp.flow_pending = True
             self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
@@ -562,7 +565,7 @@ class Simulator:
         outbound, grp.outbound = grp.outbound, None
         finished: list[Req] = []
         for req, n in step:
-            if req.computed_tokens == 0 and req.pe_read_tokens and not self.mode.is_oracle:
+            if req.computed_tokens == 0 and req.pe_read_tokens and not self.is_oracle:
                 self._free_buffer(self.nodes[self.engines[req.pe].node],
                                   req.pe_read_tokens * self.kv_bpt)
             req.computed_tokens += n
@@ -599,7 +602,7 @@ class Simulator:
             self.stop_reason = "ttft_limit"
             self.is_stopped = True
         de = self.engines[req.de]
-        if self.mode.is_oracle:
+        if self.is_oracle:
             self._join_decode(req)
             return
         de.copy_fifo.append(req)
@@ -729,7 +732,7 @@ class Simulator:
         self.num_done += 1
         if self.progress is not None:
             self.progress(1)
-        if not self.mode.is_oracle:
+        if not self.is_oracle:
             new_blocks = (req.prompt + req.gen) // self.block - req.hit // self.block
             if new_blocks > 0:
                 self._persist(eng, new_blocks * self.block * self.kv_bpt)

@@ -86,15 +86,15 @@ def run(args: argparse.Namespace) -> int:
     md = ctx.path("section_advise.md")
     md.write_text(section_markdown(section, ctx.out_dir) + "\n", encoding="utf-8")
     best = cands[0]
-    print(f"recommended: {best.label}: {best.capacity_aps:.3f} APS under the SLO on "
+    print(f"recommended: {best.label}: {best.capacity_text} APS under the SLO on "
           f"{best.num_gpus} GPUs ({1e3 * best.aps_per_gpu:.2f} mAPS/GPU); bottleneck: "
           f"{best.bottleneck}")
     if len(cands) > 1:
         r = cands[1]
-        print(f"runner-up:   {r.label}: {r.capacity_aps:.3f} APS on {r.num_gpus} GPUs "
+        print(f"runner-up:   {r.label}: {r.capacity_text} APS on {r.num_gpus} GPUs "
               f"({1e3 * r.aps_per_gpu:.2f} mAPS/GPU); bottleneck: {r.bottleneck}")
     for c in cands[2:]:
-        print(f"             {c.label}: {c.capacity_aps:.3f} APS ({1e3 * c.aps_per_gpu:.2f} "
+        print(f"             {c.label}: {c.capacity_text} APS ({1e3 * c.aps_per_gpu:.2f} "
               f"mAPS/GPU); bottleneck: {c.bottleneck}")
     print(f"wrote {md} and {ctx.path('advise.csv')}")
     return 0
