@@ -20,12 +20,14 @@ from dualpath.experiments.notes import DIFFERENCES
 from dualpath.experiments.offline import ablation, fig7, fig8, fig9
 from dualpath.experiments.online import fig10_11
 from dualpath.experiments.report import Context, Section, md_table, write_report
+from dualpath.experiments.sensitivity import storage_rate
 
 Experiment = Callable[[Context], Section]
 
 EXPERIMENTS: dict[str, Experiment] = {
     "calibration": calibration_section,
     "fig7": fig7,
+    "storage-rate": storage_rate,
     "fig12": ablation,
     "fig8": fig8,
     "fig9": fig9,
