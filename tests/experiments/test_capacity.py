@@ -90,7 +90,7 @@ def _c(lo: float, hi: float) -> Capacity:
 
 
 def test_ratio_text_states_what_the_bounds_allow() -> None:
-    assert ratio_text(_c(1.5, 1.6), _c(0.6, 0.7)) == "2.50x"
+    assert ratio_text(_c(1.5, 1.6), _c(0.6, 0.7)) == "2.50x (2.14-2.67x)"
     assert ratio_text(_c(19.2, math.inf), _c(0.6, 0.7)) == ">= 32.00x"
     assert ratio_text(_c(1.5, 1.6), _c(2.4, math.inf)) == "<= 0.62x"
     assert ratio_text(_c(0.3, 0.6), _c(0.0, 0.02)) == "> 15.00x"
@@ -114,3 +114,22 @@ def test_advise_reports_open_brackets_as_bounds(
     assert cands[0].capacity_text == f"{cands[0].capacity_aps:.3f}"
     # 2 bisections: 0.9 met, 1.05 failed; the bottleneck is read at the lowest failing point.
     assert cands[0].bottleneck.startswith("TTFT 9.0 s > 4 s at 1.050 APS")
+
+
+def test_fig10_tables_show_brackets_and_bounds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    thresholds = {"basic": 0.7, "dualpath": 1e9}
+
+    def fake(ctx: Context, name: str, mode: str, aps: float,
+             pd: tuple[int, int] | None = None) -> OnlinePoint:
+        aps = round(aps, 4)
+        ok = aps <= thresholds[mode]
+        return OnlinePoint(aps, 1.0 if ok else 9.0, 0.05, 0.02, 100.0,
+                           {"queue": 0.1, "allocation": 0.0, "read": 0.5, "prefill": 0.4},
+                           "max_duration")
+
+    monkeypatch.setattr(online, "point", fake)
+    sec = online.fig10_11(Context(tmp_path, is_quick=True, setups=("ds660b_2p4d",)))
+    # basic: 0.3, 0.6 met, 1.2 failed; 2 bisections: 0.9 and 0.75 failed.
+    assert "| 0.600 (fails at 0.750) | >= 19.200 | >= 32.00x | 2.25x |" in sec.body

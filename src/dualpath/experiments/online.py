@@ -129,9 +129,12 @@ class Capacity:
 
 
 def ratio_text(num: Capacity, den: Capacity) -> str:
-    """`num / den` of reported capacities, with the direction an open end allows, if any."""
+    """`num / den` of reported capacities: with the range the two brackets allow when both are
+    closed, else with the direction an open end allows, if any."""
     if num.is_bracketed and den.is_bracketed:
-        return f"{num.passing_aps / den.passing_aps:.2f}x"
+        return (f"{num.passing_aps / den.passing_aps:.2f}x "
+                f"({num.passing_aps / den.failing_aps:.2f}-"
+                f"{num.failing_aps / den.passing_aps:.2f}x)")
     if num.is_lower_bound and den.is_bracketed:
         return f">= {num.passing_aps / den.passing_aps:.2f}x"
     if num.is_bracketed and den.is_lower_bound:
@@ -206,8 +209,9 @@ def fig10_11(ctx: Context) -> Section:
             "a run fails early once any turn's TTFT exceeds 20 s. Capacity = highest APS "
             "found meeting the SLO: from a guess, doubled while the SLO is met (up to "
             f"{2**MAX_DOUBLINGS}x) or halved while it fails (down to 1/{2**MAX_HALVINGS}), then "
-            f"{steps} bisection steps. `>= X`: met even at the highest APS tried (a lower "
-            "bound); `< X`: failed even at the lowest.", ""]
+            f"{steps} bisection steps; the lowest APS above it that failed is given, and the "
+            "ratio's range follows from both brackets. `>= X`: met even at the highest APS "
+            "tried (a lower bound); `< X`: failed even at the lowest.", ""]
     cap_rows = []
     for name in setups:
         caps: dict[str, Capacity] = {}
@@ -220,7 +224,9 @@ def fig10_11(ctx: Context) -> Section:
                              q.breakdown_s["queue"] + q.breakdown_s["allocation"],
                              q.breakdown_s["read"], q.breakdown_s["prefill"], q.stop_reason,
                              int(q.meets_slo)])
-        cap_rows.append([setup(name).label] + [caps[m].text() for m in modes]
+        cap_rows.append([setup(name).label]
+                        + [caps[m].text() + (f" (fails at {caps[m].failing_aps:.3f})"
+                                             if caps[m].is_bracketed else "") for m in modes]
                         + [ratio_text(caps["dualpath"], caps["basic"]),
                            f"{PAPER_CAPACITY_RATIO.get(name, 0):.2f}x"])
         for metric, unit, label, hl in (
