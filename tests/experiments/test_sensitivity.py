@@ -9,6 +9,7 @@ from dualpath.experiments.sensitivity import storage_rate
 
 def test_storage_rate_section_reports_both_rates_and_the_half_rate_runs(tmp_path: Path) -> None:
     sec = storage_rate(Context(tmp_path, is_quick=True, agents=(6,)))
+    assert sec.key == "storage-rate"  # the experiment name: `reproduce report` finds it
     with open(tmp_path / "storage_rate.csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     nominal, half = rows

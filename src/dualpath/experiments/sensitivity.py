@@ -124,5 +124,5 @@ def storage_rate(ctx: Context) -> Section:
         "at 2,048 agents because our Oracle and DualPath are faster than the paper's there "
         "(one GPU-time factor fits the paper's low-load latency, not its high-load throughput)."
     )
-    return Section("storage_rate", "Why DS 660B's Fig. 7 cells differ: Basic's storage read rate",
+    return Section("storage-rate", "Why DS 660B's Fig. 7 cells differ: Basic's storage read rate",
                    body, (csvp, png), time.perf_counter() - started, ctx.scale)
