@@ -23,6 +23,7 @@ changes: within an epoch the step time is constant, so completions are computed,
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import math
 import random
@@ -778,5 +779,16 @@ class _DeNodeOf(Mapping[int, int]):
 
 
 def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
-    """Run one simulation. `progress(n)` is called as turns complete (for a progress bar)."""
-    return Simulator(config, progress).run()
+    """Run one simulation. `progress(n)` is called as turns complete (for a progress bar).
+
+    The cyclic garbage collector is paused for the run: a run makes almost no cyclic garbage
+    (about 2,000 objects over 318k turns, measured at 2P4D with 2,048 agents), while each of
+    the collector's full passes walks every live object, which at the paper's largest scale
+    (millions of requests) cost about 15% of the run. Results do not depend on it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return Simulator(config, progress).run()
+    finally:
+        if was_enabled:
+            gc.enable()
