@@ -5,6 +5,9 @@ generate the same tokens; and the `dualpath run` command with real node processe
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +15,13 @@ import pytest
 import torch
 
 from dualpath.cli.main import main
-from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
+from dualpath.runtime.cluster import (
+    Cluster,
+    RunConfig,
+    RunError,
+    RunResult,
+    agents_from_lengths,
+)
 from dualpath.workload.jsonl import TrajectoryFile, save_trajectories
 from dualpath.workload.trajectory import Trajectory
 
@@ -158,3 +167,23 @@ def test_run_command_replays_a_trajectory_file(
     path.write_text(path.read_text().replace('"gen_tokens"', '"gen_tokns"'))
     assert main(args) == 2
     assert f"{path}:2" in capsys.readouterr().err
+
+
+def test_a_node_process_that_dies_ends_the_run_with_an_error(tmp_path: Path) -> None:
+    # kill -9 a node after start-up: it can send no failure message, so the driver must see
+    # the dead process itself (within about a second) instead of waiting out the timeout.
+    cfg = RunConfig(mode="dualpath", store_root=str(tmp_path), launch="process",
+                    num_prefill_nodes=1, num_decode_nodes=1, engines_per_node=1,
+                    buffer_bytes=16 * MiB, hbm_bytes=32 * MiB, transfer_kind="shm")
+    cluster = Cluster(cfg)
+    try:
+        victim = cluster._procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(RunError, match=r"node 1 process exited with code -9"):
+            cluster.run(agents_from_lengths(TURNS[:2], cluster.vocab_size, seed=0),
+                        timeout_s=120)
+        assert time.monotonic() - started < 60
+    finally:
+        cluster.close()

@@ -317,6 +317,10 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
     )
 
 
+_LIVENESS_POLL_S = 1.0
+"""How often the driver checks, while waiting for a message, that its processes are alive."""
+
+
 class Cluster:
     """Nodes started, connected and serving; `run` replays agents; `close` stops them."""
 
@@ -401,18 +405,38 @@ class Cluster:
         )
 
     def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:
-        try:
-            msg: Message = self._driver_q.get(timeout=timeout_s)
-        except queue.Empty:
-            if is_timeout_ok:
-                return None
-            raise RunError(f"no message from the cluster within {timeout_s:g} s") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                # Short waits: a process that dies before it can report (a crash while
+                # starting, a kill) is noticed within a second, not at the timeout.
+                msg: Message = self._driver_q.get(
+                    timeout=min(_LIVENESS_POLL_S, max(0.0, deadline - time.monotonic()))
+                )
+                break
+            except queue.Empty:
+                self._raise_if_a_process_died()
+                if time.monotonic() >= deadline:
+                    if is_timeout_ok:
+                        return None
+                    raise RunError(
+                        f"no message from the cluster within {timeout_s:g} s"
+                    ) from None
         if isinstance(msg, NodeFailed):
             self._failed_nodes.add(msg.node)
             self.failure_traceback = msg.traceback
             who = "scheduler" if msg.node == SCHEDULER_NODE else f"node {msg.node}"
             raise RunError(f"{who} failed: {msg.error}")
         return msg
+
+    def _raise_if_a_process_died(self) -> None:
+        """RunError naming the first node or scheduler process that exited without being
+        told to (threads, in `launch="thread"`, report their failures as messages)."""
+        for p, who in [(self._scheduler, "scheduler"),
+                       *((p, f"node {n}") for n, p in enumerate(self._procs))]:
+            if isinstance(p, mp.process.BaseProcess) and p.exitcode is not None:
+                raise RunError(f"{who} process exited with code {p.exitcode} before reporting "
+                               "(see its output above)")
 
     def _connect(self, timeout_s: float = 300.0) -> None:
         segments: dict[int, SegmentInfo] = {}
