@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 BUILD = ROOT / "build" / "mypyc"
 
 
-def _clean() -> int:
-    # Import the list without importing `dualpath` (whose __init__ installs the finder).
-    sys.path.insert(0, str(SRC / "dualpath"))
-    import _compiled  # type: ignore[import-not-found]
+def _compiled_module() -> ModuleType:
+    """`dualpath._compiled`, loaded from its file without importing `dualpath` (whose
+    `__init__` would already pick an implementation)."""
+    spec = importlib.util.spec_from_file_location("_compiled", SRC / "dualpath" / "_compiled.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _clean() -> int:
+    _compiled = _compiled_module()
     removed = 0
     # Every extension module in the package, listed or not (a module dropped from the list
     # must not keep loading an old build).
@@ -40,8 +49,7 @@ def _clean() -> int:
 
 
 def _build() -> int:
-    sys.path.insert(0, str(SRC / "dualpath"))
-    import _compiled
+    _compiled = _compiled_module()
     import setuptools  # noqa: F401  (mypyc.build picks setuptools over distutils if imported)
     from mypyc.build import mypycify
     from setuptools import Distribution

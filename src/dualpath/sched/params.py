@@ -215,10 +215,7 @@ def derive_scheduler_params(
     overrides = {name: _checked_override(name, value) for name, value in overrides.items()}
     charge = overrides.get("pe_tok_charge", TokCharge.PROMPT)
     quota = overrides.get("compute_quota_s", COMPUTE_QUOTA_S)
-    if not isinstance(charge, TokCharge):
-        raise SpecError("scheduler", "pe_tok_charge", charge, "must be a TokCharge")
-    if not isinstance(quota, int | float):
-        raise SpecError("scheduler", "compute_quota_s", quota, "must be a number")
+    assert isinstance(charge, TokCharge) and isinstance(quota, int | float)  # checked above
     fields: dict[str, object] = {
         "alpha_tokens": derive_alpha_tokens(model, hw),
         "beta_tokens": derive_beta_tokens(model, hw, coeffs, charge=charge,

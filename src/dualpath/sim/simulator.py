@@ -781,10 +781,10 @@ class _DeNodeOf(Mapping[int, int]):
 def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
     """Run one simulation. `progress(n)` is called as turns complete (for a progress bar).
 
-    The cyclic garbage collector is paused for the run: a run makes almost no cyclic garbage
-    (about 2,000 objects over 318k turns, measured at 2P4D with 2,048 agents), while each of
-    the collector's full passes walks every live object, which at the paper's largest scale
-    (millions of requests) cost about 15% of the run. Results do not depend on it."""
+    The cyclic garbage collector is paused for the run: requests, flows and events are freed
+    by reference counting, while each of the collector's full passes walks every live object,
+    which at the paper's largest scale (millions of requests) is a large share of the run
+    (perf). Whatever cycles a run leaves are collected after it. Results do not depend on it."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
