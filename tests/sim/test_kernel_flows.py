@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath.sim.flows import Flow, FlowNet, Link
+from dualpath.sim.flows import WIDE_FLOW_LINKS, Flow, FlowNet, Link
 from dualpath.sim.kernel import EventLoop
 
 
@@ -63,3 +63,36 @@ def test_weights_and_capacity_change_are_honoured() -> None:
     # 5 units/s for 1 s (5 left), then 10 units/s: done at 1.5 s.
     assert ends == [pytest.approx(1.5)]
     assert dram.bytes_carried == pytest.approx(20.0)
+
+
+def test_wide_flow_is_rerated_only_through_its_bottleneck_and_capacities_hold() -> None:
+    """A flow over more than WIDE_FLOW_LINKS links keeps its rate when a narrow flow starts on
+    one of its other links (the narrow flow gets what is left), slows down when one starts on
+    its bottleneck, and every flow still finishes with no link above capacity."""
+    loop = EventLoop()
+    net = FlowNet(loop)
+    bottleneck = _link("pe", 10.0)
+    fan = [_link(f"de{i}", 10.0) for i in range(WIDE_FLOW_LINKS)]
+    done: list[str] = []
+    # Alone it runs at 1 unit/s, set by `pe` (10 bytes per unit); each fan link carries 5.
+    wide = net.start(Flow([(bottleneck, 10.0)] + [(lk, 5.0) for lk in fan], 4.0,
+                          lambda: done.append("wide")))
+    assert wide.is_wide and wide.rate == pytest.approx(1.0) and wide.bottleneck is bottleneck
+    # A copy on fan link 0 gets what the wide flow leaves there (5 of 10 bytes/s): the wide
+    # flow keeps its rate. (Exact max-min would hold both at 10 / (5 + 20) = 0.4 units/s: this
+    # is the approximation, and the capacity still holds.)
+    copy = net.start(Flow([(fan[0], 20.0)], 2.0, lambda: done.append("copy")))
+    assert wide.rate == pytest.approx(1.0)
+    assert copy.rate == pytest.approx(0.25)
+    # A narrow flow on its bottleneck brings the wide flow into the recompute, which is then
+    # exact: fan link 0 binds the wide flow and the copy at 0.4, `other` gets the rest of `pe`.
+    other = net.start(Flow([(bottleneck, 1.0)], 5.0, lambda: done.append("other")))
+    assert wide.rate == pytest.approx(0.4) and copy.rate == pytest.approx(0.4)
+    assert other.rate == pytest.approx(10.0 - 0.4 * 10.0)
+    assert wide.bottleneck is fan[0]
+    for link in [bottleneck, *fan]:
+        assert link.load_bytes_per_s <= link.capacity_bytes_per_s * (1 + 1e-9)
+    loop.run()
+    assert sorted(done) == ["copy", "other", "wide"]
+    assert bottleneck.bytes_carried == pytest.approx(4.0 * 10.0 + 5.0)
+    assert all(lk.peak_utilization <= 1.0 + 1e-9 for lk in [bottleneck, *fan])

@@ -106,7 +106,10 @@ class Link:
 class Flow:
     """A transfer of `size` units over weighted links; `on_done` runs when it completes."""
 
-    __slots__ = ("_handle", "_updated_s", "bound", "links", "on_done", "rate", "remaining", "size")
+    __slots__ = (
+        "_handle", "_updated_s", "bottleneck", "bound", "is_wide", "links", "on_done", "rate",
+        "remaining", "size",
+    )
 
     def __init__(
         self, links: Iterable[tuple[Link, float]], size: float, on_done: Callable[[], None]
@@ -121,6 +124,10 @@ class Flow:
         self.rate = 0.0
         self.bound = 0.0
         """The rate this flow would get alone: min over its links of capacity / weight."""
+        self.bottleneck: Link | None = None
+        """The link that set its current rate (the link of its bound when it runs at it)."""
+        self.is_wide = len(merged) > WIDE_FLOW_LINKS
+        """Crosses more than `WIDE_FLOW_LINKS` links: re-rated only through its bottleneck."""
         self.on_done = on_done
         self._handle = 0
         self._updated_s = 0.0
@@ -147,12 +154,13 @@ class FlowNet:
             return flow
         now = self.loop.now_s
         flow._updated_s = now
-        bound = math.inf
+        bound, bound_link = math.inf, None
         for link, w in links.items():
             x = link.capacity_bytes_per_s / w
             if x < bound:
-                bound = x
+                bound, bound_link = x, link
         flow.bound = bound
+        flow.bottleneck = bound_link
         is_slack = True
         for link, w in links.items():
             link.flows[flow] = w
@@ -236,7 +244,8 @@ class FlowNet:
         queue: deque[Link] = deque()
         for link in seeds:
             for f in link.flows:
-                flows[f] = None
+                if not f.is_wide or f.bottleneck is link:
+                    flows[f] = None
         for f in list(flows):
             for link in f.links:
                 if link not in tight and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
@@ -245,7 +254,7 @@ class FlowNet:
         while queue and len(flows) < MAX_COMPONENT_FLOWS:
             link = queue.popleft()
             for f in link.flows:
-                if f not in flows:
+                if f not in flows and (not f.is_wide or f.bottleneck is link):
                     flows[f] = None
                     for other in f.links:
                         if other not in tight and (
@@ -256,15 +265,18 @@ class FlowNet:
         if not flows:
             return
         # Residual capacity for the set: the capacity minus the load of flows outside it.
+        # (Summed over the set's flows, not over each link's flows: a link crossed by many wide
+        # flows outside the set costs nothing.)
+        inside_load: dict[Link, float] = dict.fromkeys(tight, 0.0)
+        for f in flows:
+            rate = f.rate
+            for link, w in f.links.items():
+                if link in tight:
+                    tight[link] += w
+                    inside_load[link] += w * rate
         residual: dict[Link, float] = {}
-        for link in tight:
-            inside_w, inside_load = 0.0, 0.0
-            for f, w in link.flows.items():
-                if f in flows:
-                    inside_w += w
-                    inside_load += w * f.rate
-            tight[link] = inside_w
-            outside = link.load_bytes_per_s - inside_load
+        for link, load in inside_load.items():
+            outside = link.load_bytes_per_s - load
             residual[link] = link.capacity_bytes_per_s - (outside if outside > 0.0 else 0.0)
         new_rate: dict[Flow, float] = {}
         by_bound = sorted(flows, key=_bound_key)
@@ -291,16 +303,20 @@ class FlowNet:
                 break
             while nb < len(by_bound) and by_bound[nb] in new_rate:
                 nb += 1
+            at: Link | None = None
             if nb < len(by_bound) and by_bound[nb].bound <= best:
                 frozen = [by_bound[nb]]
                 level = by_bound[nb].bound
             elif best_link is not None:
                 frozen = [f for f in best_link.flows if f in flows and f not in new_rate]
                 level = best
+                at = best_link
             else:  # pragma: no cover - the bound of every flow is finite
                 break
             for f in frozen:
                 new_rate[f] = level
+                if f.is_wide:
+                    f.bottleneck = at if at is not None else _bound_link(f)
                 for link, w in f.links.items():
                     if link in tight:
                         residual[link] -= w * level
@@ -333,7 +349,25 @@ class FlowNet:
 
 _TIGHT = 1.0 + 1e-9
 MAX_COMPONENT_FLOWS = 64
+WIDE_FLOW_LINKS = 128
+"""A flow across more links than this (a prefill step's transfers in a large cluster, which touch
+hundreds of decode engines) joins a recompute only as a seed or through its bottleneck link. On
+its other links it keeps its rate, which the recompute leaves reserved (so capacities hold), and
+it is re-rated at its next start, end or bottleneck change. Without this, every copy or persist
+starting on any decode engine re-rated every prefill step crossing it: at 48P96D with 48K agents
+one recompute walked tens of thousands of flow-link pairs. No flow of a cluster up to 2P4D
+crosses this many links, so those results are exact and unchanged."""
 
 
 def _bound_key(f: Flow) -> float:
     return f.bound
+
+
+def _bound_link(f: Flow) -> Link | None:
+    """The first link of `f` with the least capacity / weight (the link that sets its bound)."""
+    best, out = math.inf, None
+    for link, w in f.links.items():
+        x = link.capacity_bytes_per_s / w
+        if x < best:
+            best, out = x, link
+    return out
