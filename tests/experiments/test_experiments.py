@@ -89,6 +89,7 @@ def test_cli_reproduce_and_bad_names(tmp_path: Path) -> None:
     assert main(["reproduce", "fig99", "--out", str(out)]) == 2
     assert main(["reproduce", "fig7", "--mal", "99k", "--out", str(out)]) == 2
     assert main(["reproduce", "calibrate", "--quick", "--write", "--out", str(out)]) == 2
+    assert main(["reproduce", "table3", "--scale-out", "1", "--out", str(out)]) == 2
 
 
 def test_cli_advise(tmp_path: Path) -> None:
@@ -130,3 +131,12 @@ def test_fig9_table3_split_tiny(tmp_path: Path) -> None:
     sec = split_reads(ctx)
     assert "**Verdict:**" in sec.body
     assert {r["driver"] for r in _rows(tmp_path / "split_reads.csv")} == {"offline", "online"}
+
+
+def test_table3_scale_out_sets_the_large_cluster(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, is_quick=True, agents=(2,), online_duration_s=20.0, scale_out=3)
+    sec = table3(ctx)
+    rows = _rows(tmp_path / "table3.csv")
+    assert [r["cluster"] for r in rows] == ["2P4D", "6P12D", "2P4D", "6P12D"]
+    assert rows[1]["agents"] == "6"
+    assert "k = 3" in sec.body

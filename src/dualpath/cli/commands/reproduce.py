@@ -59,6 +59,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="override setups: ds660b_2p4d, ds27b_1p1d, qwen32b_1p2d")
     p.add_argument("--online-duration", type=float, default=0.0, metavar="S",
                    help="simulated seconds per online run (default: 600 quick, 2,400 full)")
+    p.add_argument("--scale-out", type=int, default=0, metavar="K",
+                   help="table3: the large cluster is K times 2P4D with K times the load "
+                   "(default: 2 quick, 4 full; the paper's offline run is 24: 48P96D, with "
+                   "--agents 2048)")
     p.add_argument("--write", action="store_true",
                    help="calibrate: store the fitted coefficients in the packaged cost file")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
@@ -120,13 +124,15 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.online_duration < 0:
         raise ReproduceArgsError(f"--online-duration={args.online_duration}: must be >= 0")
+    if args.scale_out < 0 or args.scale_out == 1:
+        raise ReproduceArgsError(f"--scale-out={args.scale_out}: must be >= 2 (0: default)")
     try:
         agents = tuple(int(a) for a in _csv(args.agents))
     except ValueError:
         raise ReproduceArgsError(
             f"--agents={args.agents}: expected integers like 512,1024") from None
     ctx = Context(args.out, _logger(args.quiet), args.quick, agents, _csv(args.mal),
-                  _csv(args.setups), args.online_duration)
+                  _csv(args.setups), args.online_duration, args.scale_out)
     for solo in ("calibrate", "report"):
         if solo in args.experiments and len(args.experiments) > 1:
             raise ReproduceArgsError(f"`{solo}` runs alone")
