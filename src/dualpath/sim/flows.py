@@ -17,6 +17,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from functools import partial
+from itertools import count
 
 from dualpath.sim.kernel import EventLoop
 
@@ -32,7 +33,13 @@ class Link:
 
     __slots__ = (
         "_bins",
+        "_changed",
+        "_inside_load",
         "_load_since_s",
+        "_mark",
+        "_order",
+        "_residual",
+        "_weight",
         "bin_s",
         "bound_load",
         "bytes_carried",
@@ -61,6 +68,14 @@ class Link:
         self.bin_s = bin_s
         self._bins: list[float] = []
         self._load_since_s = 0.0
+        # Scratch state of the recompute that last visited this link (see FlowNet._recompute):
+        # `_mark` is that recompute's number while the link is in its tight set.
+        self._mark = 0
+        self._changed = 0
+        self._order = 0
+        self._weight = 0.0
+        self._inside_load = 0.0
+        self._residual = 0.0
 
     def close_segment(self, now_s: float) -> None:
         """Account the load held since the last change up to `now_s`."""
@@ -107,8 +122,8 @@ class Flow:
     """A transfer of `size` units over weighted links; `on_done` runs when it completes."""
 
     __slots__ = (
-        "_handle", "_updated_s", "bottleneck", "bound", "is_wide", "links", "on_done", "rate",
-        "remaining", "size",
+        "_frozen", "_handle", "_mark", "_new_rate", "_updated_s", "bottleneck", "bound",
+        "is_wide", "links", "on_done", "rate", "remaining", "size",
     )
 
     def __init__(
@@ -131,6 +146,10 @@ class Flow:
         self.on_done = on_done
         self._handle = 0
         self._updated_s = 0.0
+        self._mark = 0
+        """The number of the recompute whose set holds it (scratch, like `_frozen`)."""
+        self._frozen = 0
+        self._new_rate = 0.0
 
 
 class FlowNet:
@@ -236,96 +255,114 @@ class FlowNet:
         capacities always hold; the rates are then max-min within the set, which is exact
         whenever the tight component is smaller than the cap (bursts of thousands of flows
         would otherwise make every start and end cost the whole cluster).
+
+        Membership and per-link sums live in the links' and flows' scratch slots, marked with
+        this recompute's number (no dicts keyed by links or flows: attribute reads are what
+        the compiled build does fastest); every sum is taken in the same order as before.
         """
         self.num_recomputes += 1
+        ep = next(_RECOMPUTES)
         now = self.loop.now_s
-        flows: dict[Flow, None] = dict.fromkeys(seed_flows)
-        tight: dict[Link, float] = {}
+        flows: list[Flow] = []
+        for f in seed_flows:
+            if f._mark != ep:
+                f._mark = ep
+                flows.append(f)
+        tight: list[Link] = []
         queue: deque[Link] = deque()
         for link in seeds:
             for f in link.flows:
-                if not f.is_wide or f.bottleneck is link:
-                    flows[f] = None
+                if f._mark != ep and (not f.is_wide or f.bottleneck is link):
+                    f._mark = ep
+                    flows.append(f)
         for f in list(flows):
             for link in f.links:
-                if link not in tight and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
-                    tight[link] = 0.0
+                if link._mark != ep and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+                    link._mark = ep
+                    tight.append(link)
                     queue.append(link)
         while queue and len(flows) < MAX_COMPONENT_FLOWS:
             link = queue.popleft()
             for f in link.flows:
-                if f not in flows and (not f.is_wide or f.bottleneck is link):
-                    flows[f] = None
+                if f._mark != ep and (not f.is_wide or f.bottleneck is link):
+                    f._mark = ep
+                    flows.append(f)
                     for other in f.links:
-                        if other not in tight and (
+                        if other._mark != ep and (
                             other.bound_load > other.capacity_bytes_per_s * _TIGHT
                         ):
-                            tight[other] = 0.0
+                            other._mark = ep
+                            tight.append(other)
                             queue.append(other)
         if not flows:
             return
         # Residual capacity for the set: the capacity minus the load of flows outside it.
         # (Summed over the set's flows, not over each link's flows: a link crossed by many wide
         # flows outside the set costs nothing.)
-        inside_load: dict[Link, float] = dict.fromkeys(tight, 0.0)
+        for i, link in enumerate(tight):
+            link._order = i
+            link._weight = 0.0
+            link._inside_load = 0.0
         for f in flows:
             rate = f.rate
             for link, w in f.links.items():
-                if link in tight:
-                    tight[link] += w
-                    inside_load[link] += w * rate
-        residual: dict[Link, float] = {}
-        for link, load in inside_load.items():
-            outside = link.load_bytes_per_s - load
-            residual[link] = link.capacity_bytes_per_s - (outside if outside > 0.0 else 0.0)
-        new_rate: dict[Flow, float] = {}
+                if link._mark == ep:
+                    link._weight += w
+                    link._inside_load += w * rate
+        for link in tight:
+            outside = link.load_bytes_per_s - link._inside_load
+            link._residual = link.capacity_bytes_per_s - (outside if outside > 0.0 else 0.0)
+        frozen_in_order: list[Flow] = []
         by_bound = sorted(flows, key=_bound_key)
         nb = 0
         # Min-heap of (fill level at which the link saturates, order, link). Freezing a flow at
         # a level no higher than a link's entry never lowers that link's level, so stale
         # entries are only ever too low: re-push them with the current level when they surface.
-        order = {link: i for i, link in enumerate(tight)}
-        heap = [(residual[lk] / w, order[lk], lk) for lk, w in tight.items() if w > _EPS]
+        heap = [(lk._residual / lk._weight, lk._order, lk) for lk in tight if lk._weight > _EPS]
         heapq.heapify(heap)
-        while len(new_rate) < len(flows):
+        num_flows = len(flows)
+        while len(frozen_in_order) < num_flows:
             best, best_link = math.inf, None
             while heap:
                 x, i, link = heap[0]
-                w = tight[link]
+                w = link._weight
                 if w <= _EPS:
                     heapq.heappop(heap)
                     continue
-                cur = residual[link] / w
+                cur = link._residual / w
                 if cur != x:
                     heapq.heapreplace(heap, (cur, i, link))
                     continue
                 best, best_link = x, link
                 break
-            while nb < len(by_bound) and by_bound[nb] in new_rate:
+            while nb < len(by_bound) and by_bound[nb]._frozen == ep:
                 nb += 1
             at: Link | None = None
             if nb < len(by_bound) and by_bound[nb].bound <= best:
                 frozen = [by_bound[nb]]
                 level = by_bound[nb].bound
             elif best_link is not None:
-                frozen = [f for f in best_link.flows if f in flows and f not in new_rate]
+                frozen = [f for f in best_link.flows if f._mark == ep and f._frozen != ep]
                 level = best
                 at = best_link
             else:  # pragma: no cover - the bound of every flow is finite
                 break
             for f in frozen:
-                new_rate[f] = level
+                f._frozen = ep
+                f._new_rate = level
+                frozen_in_order.append(f)
                 if f.is_wide:
                     f.bottleneck = at if at is not None else _bound_link(f)
                 for link, w in f.links.items():
-                    if link in tight:
-                        residual[link] -= w * level
-                        tight[link] -= w
+                    if link._mark == ep:
+                        link._residual -= w * level
+                        link._weight -= w
             if best_link is not None and not frozen:
-                tight[best_link] = 0.0
+                best_link._weight = 0.0
         loop = self.loop
-        changed: dict[Link, None] = {}
-        for f, rate in new_rate.items():
+        changed: list[Link] = []
+        for f in frozen_in_order:
+            rate = f._new_rate
             old = f.rate
             if f._handle and rate == old:
                 continue  # its completion time is unchanged
@@ -334,8 +371,9 @@ class FlowNet:
             f.rate = rate
             if rate != old:
                 for link, w in f.links.items():
-                    if link not in changed:
-                        changed[link] = None
+                    if link._changed != ep:
+                        link._changed = ep
+                        changed.append(link)
                         link.close_segment(now)
                     link.load_bytes_per_s += w * (rate - old)
             if f._handle:
@@ -348,6 +386,8 @@ class FlowNet:
 
 
 _TIGHT = 1.0 + 1e-9
+_RECOMPUTES = count(1)
+"""Numbers recomputes across all nets (so scratch marks never collide between two nets)."""
 MAX_COMPONENT_FLOWS = 64
 WIDE_FLOW_LINKS = 128
 """A flow across more links than this (a prefill step's transfers in a large cluster, which touch
