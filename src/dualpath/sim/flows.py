@@ -173,11 +173,9 @@ class FlowNet:
             return flow
         now = self.loop.now_s
         flow._updated_s = now
-        bound, bound_link = math.inf, None
-        for link, w in links.items():
-            x = link.capacity_bytes_per_s / w
-            if x < bound:
-                bound, bound_link = x, link
+        bound_link = _bound_link(flow)
+        assert bound_link is not None  # links is not empty
+        bound = bound_link.capacity_bytes_per_s / links[bound_link]
         flow.bound = bound
         flow.bottleneck = bound_link
         is_slack = True
