@@ -113,8 +113,7 @@ def bench_storage_reads(repeats: int, num_blocks: int) -> dict[str, float]:
         rate = median(once, repeats)
         ctx.read_queue.put(None)
         reader.join()
-        ctx.transfer.close()
-        ctx.pool.close()
+        ctx.close()
     return {"read_bytes_per_s": rate, "snic_bytes_per_s": snic, "fraction": rate / snic}
 
 

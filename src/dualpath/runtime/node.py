@@ -18,6 +18,7 @@ Threads of a node:
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -217,10 +218,17 @@ class NodeContext:
         """(one-line error, traceback) of every thread that raised."""
 
     def unpin(self) -> None:
-        """Undo `_pin` before the segment is unmapped."""
+        """Undo `_pin` before the segment is unmapped (a later segment may be mapped at the same
+        address, and CUDA refuses to register a range twice)."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._pinned)  # type: ignore[no-untyped-call]
             self._pinned = 0
+
+    def close(self) -> None:
+        """Release what `__init__` took, in reverse order: transfer engine, pinning, segment."""
+        self.transfer.close()
+        self.unpin()
+        self.pool.close()
 
     def count(self, path: str, num_bytes: int) -> None:
         with self._lock:
@@ -271,7 +279,21 @@ def _pin(pool: BufferPool) -> int:
     address = int(np.frombuffer(pool.view, dtype=np.uint8).ctypes.data)
     cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     err = cudart.cudaHostRegister(address, pool.capacity_bytes, 0)
-    return address if int(err) == 0 else 0
+    if int(err) == 0:
+        return address
+    # Unpinned copies still work, only slower; but a failed runtime call stays as CUDA's "last
+    # error", which the next PyTorch CUDA call would raise as its own: clear it here.
+    _clear_cuda_error()
+    return 0
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's sticky "last error" with `cudaGetLastError` of the libcudart this process
+    loaded (PyTorch's bindings do not expose it)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    for path in sorted(paths):
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def _reader_loop(ctx: NodeContext) -> None:
@@ -360,9 +382,7 @@ def run_node(
         scheduler.put(NodeFailed(cfg.node, _one_line(exc), traceback.format_exc(limit=8)))
     finally:
         if ctx is not None:
-            ctx.transfer.close()
-            ctx.unpin()
-            ctx.pool.close()
+            ctx.close()
 
 
 def _serve(ctx: NodeContext, inbox: Inbox) -> None:
