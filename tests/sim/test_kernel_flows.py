@@ -96,3 +96,28 @@ def test_wide_flow_is_rerated_only_through_its_bottleneck_and_capacities_hold() 
     assert sorted(done) == ["copy", "other", "wide"]
     assert bottleneck.bytes_carried == pytest.approx(4.0 * 10.0 + 5.0)
     assert all(lk.peak_utilization <= 1.0 + 1e-9 for lk in [bottleneck, *fan])
+
+
+
+def test_a_change_away_from_saturated_links_skips_the_recompute_and_stays_max_min() -> None:
+    loop = EventLoop()
+    net = FlowNet(loop)
+    x, y, z = _link("x", 10.0), _link("y", 4.0), _link("z", 5.0)
+    done: dict[str, float] = {}
+    p = net.start(Flow([(x, 1.0), (y, 1.0)], 40.0, lambda: done.setdefault("p", loop.now_s)))
+    assert net.num_recomputes == 0  # alone: it runs at its bound, 4
+    q = net.start(Flow([(x, 1.0), (y, 1.0)], 40.0, lambda: done.setdefault("q", loop.now_s)))
+    assert net.num_recomputes == 1  # y (4) cannot hold both at their bounds: they share it
+    assert (p.rate, q.rate) == pytest.approx((2.0, 2.0))
+    # x is tight (bounds 4 + 4 + 5 > 10) but carries only 4: r fits at its bound, 5, on links
+    # that were not saturated, so nobody else moves and no recompute runs.
+    r = net.start(Flow([(x, 1.0), (z, 1.0)], 10.0, lambda: done.setdefault("r", loop.now_s)))
+    assert net.num_recomputes == 1
+    assert (p.rate, q.rate, r.rate) == pytest.approx((2.0, 2.0, 5.0))
+    loop.run()
+    # r ends at t=2 leaving x at 4 of 10: not saturated, so again no recompute; p and q stay at
+    # 2 on y and end at t=20 together (a recompute after the first, which changes nothing).
+    assert done["r"] == pytest.approx(2.0)
+    assert done["p"] == pytest.approx(20.0) and done["q"] == pytest.approx(20.0)
+    assert net.num_recomputes == 2
+    assert x.peak_utilization == pytest.approx(0.9)

@@ -20,7 +20,8 @@ from dualpath.core.validate import positive
 from dualpath.sched.cost import AttentionTimeEstimator
 
 
-@dataclass(frozen=True, slots=True)
+# Written `__init__`s, not `frozen=True`: built on every pack (see `dualpath.sched.types`).
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillItem:
     """A request in a PE's local queue: `remaining_tokens` still to prefill after
     `cached_tokens` whose KV is available."""
@@ -28,6 +29,12 @@ class PrefillItem:
     request_id: int
     cached_tokens: int
     remaining_tokens: int
+
+    def __init__(self, request_id: int, cached_tokens: int, remaining_tokens: int) -> None:
+        self.request_id = request_id
+        self.cached_tokens = cached_tokens
+        self.remaining_tokens = remaining_tokens
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         owner = f"prefill_item[{self.request_id}]"
@@ -37,7 +44,7 @@ class PrefillItem:
             raise SpecError(owner, "remaining_tokens", self.remaining_tokens, "must be >= 1")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class BatchEntry:
     """One request's share of a forward batch: `num_new_tokens` after `cached_tokens`."""
 
@@ -48,8 +55,14 @@ class BatchEntry:
     """Only part of the request's remaining tokens: it stays at the queue head with
     `cached_tokens + num_new_tokens` cached."""
 
+    def __init__(self, request_id: int, cached_tokens: int, num_new_tokens: int,
+                 is_chunk: bool) -> None:
+        self.request_id = request_id
+        self.cached_tokens = cached_tokens
+        self.num_new_tokens = num_new_tokens
+        self.is_chunk = is_chunk
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillBatch:
     """A forward batch. Invariant: a FIFO prefix of the queue, only the last entry may be a
     chunk, and `estimated_attention_s <= quota` unless the batch is the head request's
@@ -57,6 +70,10 @@ class PrefillBatch:
 
     entries: tuple[BatchEntry, ...]
     estimated_attention_s: float
+
+    def __init__(self, entries: tuple[BatchEntry, ...], estimated_attention_s: float) -> None:
+        self.entries = entries
+        self.estimated_attention_s = estimated_attention_s
 
     @property
     def num_new_tokens(self) -> int:

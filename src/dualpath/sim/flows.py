@@ -178,17 +178,21 @@ class FlowNet:
         bound = bound_link.capacity_bytes_per_s / links[bound_link]
         flow.bound = bound
         flow.bottleneck = bound_link
-        is_slack = True
+        fits = True
         for link, w in links.items():
             link.flows[flow] = w
             link.bound_load += w * bound
-            if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
-                is_slack = False
-        if not is_slack:
+            cap = link.capacity_bytes_per_s
+            if link.bound_load > cap * _TIGHT and link.load_bytes_per_s + w * bound > cap:
+                fits = False
+        if not fits:
             # Other flows can only slow down on links this one made (or found) tight.
             self._recompute([flow], [lk for lk in links if lk.is_tight])
             return flow
-        # Fast path: every link is slack, so the flow runs at its bound and nobody else moves.
+        # Fast path: every link is slack (even all its flows at their bounds fit) or has room
+        # for this flow at its bound. Then no link it crosses was saturated, so no other flow's
+        # bottleneck is among them: the others keep their rates and the new flow runs at its
+        # bound, which is the max-min solution with it added.
         flow.rate = bound
         for link, w in links.items():
             if link.load_bytes_per_s > 0.0:
@@ -222,12 +226,17 @@ class FlowNet:
     def _finish(self, flow: Flow) -> None:
         now = self.loop.now_s
         flow.remaining = 0.0
-        # Only flows on links that were tight can speed up when this one leaves.
+        # Only flows on links that were tight can speed up when this one leaves, and only if one
+        # of its links was saturated: a flow's rate is set by its bound or by a saturated link,
+        # so freeing capacity on links below capacity changes no other flow's max-min rate.
         tight: list[Link] = []
+        is_saturating = False
         bound, rate = flow.bound, flow.rate
         for link, w in flow.links.items():
             if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
                 tight.append(link)
+                if link.load_bytes_per_s >= link.capacity_bytes_per_s * _SATURATED:
+                    is_saturating = True
             flows = link.flows
             del flows[flow]
             link.close_segment(now)
@@ -239,7 +248,7 @@ class FlowNet:
                 link.bound_load = 0.0
                 link.load_bytes_per_s = 0.0
         flow.rate = 0.0
-        if tight:
+        if is_saturating:
             self._recompute([], tight)
         flow.on_done()
 
@@ -316,11 +325,24 @@ class FlowNet:
         # Min-heap of (fill level at which the link saturates, order, link). Freezing a flow at
         # a level no higher than a link's entry never lowers that link's level, so stale
         # entries are only ever too low: re-push them with the current level when they surface.
-        heap = [(lk._residual / lk._weight, lk._order, lk) for lk in tight if lk._weight > _EPS]
-        heapq.heapify(heap)
+        # (A few links are scanned instead: the same choice, the lowest level and then the
+        # lowest order, without the heap's tuples.)
+        is_scan = len(tight) <= SCAN_LINKS
+        heap: list[tuple[float, int, Link]] = []
+        if not is_scan:
+            heap = [(lk._residual / lk._weight, lk._order, lk) for lk in tight
+                    if lk._weight > _EPS]
+            heapq.heapify(heap)
         num_flows = len(flows)
         while len(frozen_in_order) < num_flows:
             best, best_link = math.inf, None
+            if is_scan:
+                for link in tight:
+                    w = link._weight
+                    if w > _EPS:
+                        cur = link._residual / w
+                        if cur < best:
+                            best, best_link = cur, link
             while heap:
                 x, i, link = heap[0]
                 w = link._weight
@@ -384,9 +406,12 @@ class FlowNet:
 
 
 _TIGHT = 1.0 + 1e-9
+_SATURATED = 1.0 - 1e-9
 _RECOMPUTES = count(1)
 """Numbers recomputes across all nets (so scratch marks never collide between two nets)."""
 MAX_COMPONENT_FLOWS = 64
+SCAN_LINKS = 32
+"""Up to this many tight links, a recompute finds the next saturating link by a scan, not a heap."""
 WIDE_FLOW_LINKS = 128
 """A flow across more links than this (a prefill step's transfers in a large cluster, which touch
 hundreds of decode engines) joins a recompute only as a seed or through its bottleneck link. On
