@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath.sim.flows import WIDE_FLOW_LINKS, Flow, FlowNet, Link
+from dualpath.sim.flows import WIDE_FLOW_HOSTS, WIDE_FLOW_LINKS, Flow, FlowNet, Link
 from dualpath.sim.kernel import EventLoop
 
 
@@ -21,8 +21,22 @@ def test_events_run_in_time_then_schedule_order_and_cancel_drops() -> None:
     assert loop.now_s == 2.0
 
 
-def _link(name: str, cap: float) -> Link:
-    return Link(name, name, 0, cap, bin_s=1.0)
+def test_cancelled_events_are_compacted_away_and_the_order_is_kept() -> None:
+    loop = EventLoop()
+    seen: list[int] = []
+    handles = [loop.at(float(k % 97), lambda k=k: seen.append(k)) for k in range(20_000)]
+    for k, h in enumerate(handles):
+        if k % 10:
+            loop.cancel(h)  # 18,000 cancelled: the heap is rebuilt on the way
+    assert len(loop._heap) < 20_000 and len(loop._heap) - len(loop._cancelled) == 2_000
+    loop.run()
+    kept = [k for k in range(20_000) if k % 10 == 0]
+    assert seen == sorted(kept, key=lambda k: (k % 97, k))
+    assert loop.is_idle
+
+
+def _link(name: str, cap: float, node: int = 0) -> Link:
+    return Link(name, name, node, cap, bin_s=1.0)
 
 
 def test_two_flows_share_a_link_and_the_survivor_speeds_up() -> None:
@@ -66,17 +80,20 @@ def test_weights_and_capacity_change_are_honoured() -> None:
 
 
 def test_wide_flow_is_rerated_only_through_its_bottleneck_and_capacities_hold() -> None:
-    """A flow over more than WIDE_FLOW_LINKS links keeps its rate when a narrow flow starts on
-    one of its other links (the narrow flow gets what is left), slows down when one starts on
-    its bottleneck, and every flow still finishes with no link above capacity."""
+    """A flow over more than WIDE_FLOW_LINKS links on more than WIDE_FLOW_HOSTS nodes keeps its
+    rate when a narrow flow starts on one of its other links (the narrow flow gets what is
+    left); when one starts on its bottleneck it is re-rated there, bounded on its other links by
+    what their flows leave (they keep their rates); every flow finishes with no link above
+    capacity. The same links on one node make an ordinary flow, solved exactly."""
     loop = EventLoop()
     net = FlowNet(loop)
     bottleneck = _link("pe", 10.0)
-    fan = [_link(f"de{i}", 10.0) for i in range(WIDE_FLOW_LINKS)]
+    fan = [_link(f"de{i}", 10.0, node=1 + i) for i in range(WIDE_FLOW_LINKS)]
     done: list[str] = []
     # Alone it runs at 1 unit/s, set by `pe` (10 bytes per unit); each fan link carries 5.
     wide = net.start(Flow([(bottleneck, 10.0)] + [(lk, 5.0) for lk in fan], 4.0,
                           lambda: done.append("wide")))
+    assert WIDE_FLOW_LINKS + 1 > WIDE_FLOW_HOSTS
     assert wide.is_wide and wide.rate == pytest.approx(1.0) and wide.bottleneck is bottleneck
     # A copy on fan link 0 gets what the wide flow leaves there (5 of 10 bytes/s): the wide
     # flow keeps its rate. (Exact max-min would hold both at 10 / (5 + 20) = 0.4 units/s: this
@@ -84,19 +101,25 @@ def test_wide_flow_is_rerated_only_through_its_bottleneck_and_capacities_hold() 
     copy = net.start(Flow([(fan[0], 20.0)], 2.0, lambda: done.append("copy")))
     assert wide.rate == pytest.approx(1.0)
     assert copy.rate == pytest.approx(0.25)
-    # A narrow flow on its bottleneck brings the wide flow into the recompute, which is then
-    # exact: fan link 0 binds the wide flow and the copy at 0.4, `other` gets the rest of `pe`.
+    # A narrow flow on its bottleneck re-rates it there: `pe` is shared at 10 / (10 + 1) per
+    # unit of weight; fan link 0 would allow it 1.0 next to the copy, which keeps 0.25.
     other = net.start(Flow([(bottleneck, 1.0)], 5.0, lambda: done.append("other")))
-    assert wide.rate == pytest.approx(0.4) and copy.rate == pytest.approx(0.4)
-    assert other.rate == pytest.approx(10.0 - 0.4 * 10.0)
-    assert wide.bottleneck is fan[0]
+    assert wide.rate == pytest.approx(10.0 / 11.0) and other.rate == pytest.approx(10.0 / 11.0)
+    assert copy.rate == pytest.approx(0.25)
+    assert wide.bottleneck is bottleneck
     for link in [bottleneck, *fan]:
         assert link.load_bytes_per_s <= link.capacity_bytes_per_s * (1 + 1e-9)
     loop.run()
     assert sorted(done) == ["copy", "other", "wide"]
     assert bottleneck.bytes_carried == pytest.approx(4.0 * 10.0 + 5.0)
     assert all(lk.peak_utilization <= 1.0 + 1e-9 for lk in [bottleneck, *fan])
-
+    # On one node the same shape is an ordinary flow: the copy re-rates it exactly.
+    same_node = [_link(f"e{i}", 10.0) for i in range(WIDE_FLOW_LINKS)]
+    narrow = net.start(Flow([(_link("pe2", 10.0), 10.0)] + [(lk, 5.0) for lk in same_node], 4.0,
+                            lambda: done.append("narrow")))
+    assert not narrow.is_wide
+    net.start(Flow([(same_node[0], 20.0)], 2.0, lambda: done.append("copy2")))
+    assert narrow.rate == pytest.approx(0.4)
 
 
 def test_a_change_away_from_saturated_links_skips_the_recompute_and_stays_max_min() -> None:

@@ -38,6 +38,7 @@ class Link:
         "_load_since_s",
         "_mark",
         "_order",
+        "_queued",
         "_residual",
         "_weight",
         "bin_s",
@@ -76,6 +77,7 @@ class Link:
         self._weight = 0.0
         self._inside_load = 0.0
         self._residual = 0.0
+        self._queued = 0
 
     def close_segment(self, now_s: float) -> None:
         """Account the load held since the last change up to `now_s`."""
@@ -122,7 +124,8 @@ class Flow:
     """A transfer of `size` units over weighted links; `on_done` runs when it completes."""
 
     __slots__ = (
-        "_frozen", "_handle", "_mark", "_new_rate", "_updated_s", "bottleneck", "bound",
+        "_cap_link", "_frozen", "_handle", "_limit", "_mark", "_new_rate", "_updated_s",
+        "bottleneck", "bound",
         "is_wide", "links", "on_done", "rate", "remaining", "size",
     )
 
@@ -141,8 +144,9 @@ class Flow:
         """The rate this flow would get alone: min over its links of capacity / weight."""
         self.bottleneck: Link | None = None
         """The link that set its current rate (the link of its bound when it runs at it)."""
-        self.is_wide = len(merged) > WIDE_FLOW_LINKS
-        """Crosses more than `WIDE_FLOW_LINKS` links: re-rated only through its bottleneck."""
+        self.is_wide = len(merged) > WIDE_FLOW_LINKS and _num_hosts(merged) > WIDE_FLOW_HOSTS
+        """Crosses more than `WIDE_FLOW_LINKS` links on more than `WIDE_FLOW_HOSTS` nodes:
+        re-rated only through its bottleneck."""
         self.on_done = on_done
         self._handle = 0
         self._updated_s = 0.0
@@ -150,6 +154,9 @@ class Flow:
         """The number of the recompute whose set holds it (scratch, like `_frozen`)."""
         self._frozen = 0
         self._new_rate = 0.0
+        self._limit = 0.0
+        """Its bound in the current recompute, lowered for a wide flow by its private links."""
+        self._cap_link: Link | None = None
 
 
 class FlowNet:
@@ -275,6 +282,7 @@ class FlowNet:
             if f._mark != ep:
                 f._mark = ep
                 flows.append(f)
+        num_seed_flows = len(flows)
         tight: list[Link] = []
         queue: deque[Link] = deque()
         for link in seeds:
@@ -282,25 +290,33 @@ class FlowNet:
                 if f._mark != ep and (not f.is_wide or f.bottleneck is link):
                     f._mark = ep
                     flows.append(f)
-        for f in list(flows):
+        # A wide flow that joined through its bottleneck brings its tight links into the
+        # problem (they bound it) but the search does not spread through them.
+        for k, f in enumerate(list(flows)):
+            spreads = k < num_seed_flows or not f.is_wide
             for link in f.links:
-                if link._mark != ep and link.bound_load > link.capacity_bytes_per_s * _TIGHT:
-                    link._mark = ep
-                    tight.append(link)
-                    queue.append(link)
+                if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+                    if link._mark != ep:
+                        link._mark = ep
+                        tight.append(link)
+                    if spreads and link._queued != ep:
+                        link._queued = ep
+                        queue.append(link)
         while queue and len(flows) < MAX_COMPONENT_FLOWS:
             link = queue.popleft()
             for f in link.flows:
                 if f._mark != ep and (not f.is_wide or f.bottleneck is link):
                     f._mark = ep
                     flows.append(f)
+                    spreads = not f.is_wide
                     for other in f.links:
-                        if other._mark != ep and (
-                            other.bound_load > other.capacity_bytes_per_s * _TIGHT
-                        ):
-                            other._mark = ep
-                            tight.append(other)
-                            queue.append(other)
+                        if other.bound_load > other.capacity_bytes_per_s * _TIGHT:
+                            if other._mark != ep:
+                                other._mark = ep
+                                tight.append(other)
+                            if spreads and other._queued != ep:
+                                other._queued = ep
+                                queue.append(other)
         if not flows:
             return
         # Residual capacity for the set: the capacity minus the load of flows outside it.
@@ -319,8 +335,23 @@ class FlowNet:
         for link in tight:
             outside = link.load_bytes_per_s - link._inside_load
             link._residual = link.capacity_bytes_per_s - (outside if outside > 0.0 else 0.0)
+        # A tight link that only one wide flow of the set crosses saturates exactly when that
+        # flow reaches residual / weight there: fold such private links into the flow's limit
+        # instead of the progressive filling (hundreds of them per wide flow in large clusters).
+        for f in flows:
+            limit = f.bound
+            f._cap_link = None
+            if f.is_wide:
+                for link, w in f.links.items():
+                    if link._mark == ep and link._weight == w:
+                        level = link._residual / w
+                        if level < limit:
+                            limit = level
+                            f._cap_link = link
+                        link._weight = 0.0
+            f._limit = limit
         frozen_in_order: list[Flow] = []
-        by_bound = sorted(flows, key=_bound_key)
+        by_bound = sorted(flows, key=_limit_key)
         nb = 0
         # Min-heap of (fill level at which the link saturates, order, link). Freezing a flow at
         # a level no higher than a link's entry never lowers that link's level, so stale
@@ -358,9 +389,9 @@ class FlowNet:
             while nb < len(by_bound) and by_bound[nb]._frozen == ep:
                 nb += 1
             at: Link | None = None
-            if nb < len(by_bound) and by_bound[nb].bound <= best:
+            if nb < len(by_bound) and by_bound[nb]._limit <= best:
                 frozen = [by_bound[nb]]
-                level = by_bound[nb].bound
+                level = by_bound[nb]._limit
             elif best_link is not None:
                 frozen = [f for f in best_link.flows if f._mark == ep and f._frozen != ep]
                 level = best
@@ -372,7 +403,10 @@ class FlowNet:
                 f._new_rate = level
                 frozen_in_order.append(f)
                 if f.is_wide:
-                    f.bottleneck = at if at is not None else _bound_link(f)
+                    if at is not None:
+                        f.bottleneck = at
+                    else:
+                        f.bottleneck = f._cap_link if f._cap_link is not None else _bound_link(f)
                 for link, w in f.links.items():
                     if link._mark == ep:
                         link._residual -= w * level
@@ -412,18 +446,31 @@ _RECOMPUTES = count(1)
 MAX_COMPONENT_FLOWS = 64
 SCAN_LINKS = 32
 """Up to this many tight links, a recompute finds the next saturating link by a scan, not a heap."""
-WIDE_FLOW_LINKS = 128
-"""A flow across more links than this (a prefill step's transfers in a large cluster, which touch
-hundreds of decode engines) joins a recompute only as a seed or through its bottleneck link. On
-its other links it keeps its rate, which the recompute leaves reserved (so capacities hold), and
-it is re-rated at its next start, end or bottleneck change. Without this, every copy or persist
-starting on any decode engine re-rated every prefill step crossing it: at 48P96D with 48K agents
-one recompute walked tens of thousands of flow-link pairs. No flow of a cluster up to 2P4D
-crosses this many links, so those results are exact and unchanged."""
+WIDE_FLOW_LINKS = 32
+WIDE_FLOW_HOSTS = 5
+"""A flow across more than `WIDE_FLOW_LINKS` links on more than `WIDE_FLOW_HOSTS` nodes (a
+prefill step whose KV goes to decode engines on many nodes) is *wide*: it joins a recompute only
+as a seed (its own start and end) or through its bottleneck link, the link that set its rate
+last. It then brings its tight links into the problem (they bound it, with the load of the flows
+on them that stay outside) but the search does not spread through them. So on its other links
+it keeps its rate and the flows there get what it leaves, and it gets what they leave when it is
+re-rated: capacities always hold, and the rates are max-min up to that.
+
+Without the rule, a copy or persist starting on any decode engine re-rated every step crossing
+it and, through each step's links, the copies and persists of every other engine it reaches:
+at 12P24D with 12K agents, recomputes of up to 64 flows over thousands of flow-link pairs slowed
+the run to under 2k turns per CPU-second by its middle. A step's flow spans at most one prefill
+node and four decode nodes in a 2P4D cluster (or any smaller one), so those never have a wide
+flow and their results are exact."""
 
 
-def _bound_key(f: Flow) -> float:
-    return f.bound
+def _num_hosts(links: dict[Link, float]) -> int:
+    """Distinct nodes among `links` (the cluster-wide storage cap, node -1, is not one)."""
+    return len({link.node for link in links if link.node >= 0})
+
+
+def _limit_key(f: Flow) -> float:
+    return f._limit
 
 
 def _bound_link(f: Flow) -> Link | None:

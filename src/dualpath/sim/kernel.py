@@ -10,6 +10,7 @@ import heapq
 from collections.abc import Callable
 
 Callback = Callable[[], None]
+_MIN_COMPACT = 4096
 
 
 class EventLoop:
@@ -37,8 +38,20 @@ class EventLoop:
         return self.at(self.now_s + delay_s, callback)
 
     def cancel(self, handle: int) -> None:
-        """Drop a scheduled event (it is skipped when it reaches the top of the heap)."""
-        self._cancelled.add(handle)
+        """Drop a scheduled event (it is skipped when it reaches the top of the heap).
+
+        When cancelled events are more than half the heap, it is rebuilt without them (in
+        place: `run` holds it). A flow re-rated many times before it ends leaves one cancelled
+        completion per re-rate, and at the paper's scale those would otherwise pile up far
+        ahead of the clock (each holding its flow), growing the heap and every push and pop on
+        it. The order of the remaining events is their (time, seq) order either way."""
+        cancelled = self._cancelled
+        cancelled.add(handle)
+        heap = self._heap
+        if len(cancelled) > _MIN_COMPACT and 2 * len(cancelled) > len(heap):
+            heap[:] = [e for e in heap if e[1] not in cancelled]
+            heapq.heapify(heap)
+            cancelled.clear()
 
     def run(
         self, until_s: float = float("inf"), should_stop: Callable[[], bool] | None = None
