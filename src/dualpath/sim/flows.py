@@ -268,7 +268,8 @@ class FlowNet:
         flows beyond it keep their rates and their load is taken off the links' capacity, so
         capacities always hold; the rates are then max-min within the set, which is exact
         whenever the tight component is smaller than the cap (bursts of thousands of flows
-        would otherwise make every start and end cost the whole cluster).
+        would otherwise make every start and end cost the whole cluster). Wide flows join
+        and bind as `WIDE_FLOW_HOSTS` describes.
 
         Membership and per-link sums live in the links' and flows' scratch slots, marked with
         this recompute's number (no dicts keyed by links or flows: attribute reads are what
