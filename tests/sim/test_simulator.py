@@ -285,3 +285,32 @@ def test_a_turn_no_decode_engine_can_hold_is_refused_up_front() -> None:
     small = _agents(num_agents=1, num_turns=2, append=64, gen=4, first=2_000)
     r = _run(cl, small, "dualpath")
     assert r.stop_reason == "completed" and r.num_completed == small.num_turns
+
+
+def test_expert_parallel_groups_set_the_weight_shard_each_decode_step_reads() -> None:
+    cluster = _cluster(1, 2)  # ds-27b is MoE; 16 decode engines
+    assert cluster.model.is_moe and cluster.num_decode_engines == 16
+    wl = _agents(4, 2, append=200, gen=16, first=2000)
+
+    def run(decode_ep: int) -> SimResult:
+        return _run(cluster, wl, "dualpath", params=SimParams(decode_ep_engines=decode_ep))
+
+    def csv(r: SimResult) -> str:
+        out = io.StringIO()
+        r.write_csv(out)
+        return out.getvalue()
+
+    def tpot(r: SimResult) -> float:
+        stats = r.summary()["tpot_s"]
+        assert isinstance(stats, dict)
+        return float(stats["mean"])
+
+    whole, same, clamped, small = run(0), run(16), run(1000), run(2)
+    # 0 means the whole decode side: the same run as naming all 16 (or more) engines.
+    assert csv(same) == csv(whole) == csv(clamped)
+    # Groups of 2 each hold and read an eighth of the weights instead of a sixteenth per step.
+    assert tpot(small) > 1.05 * tpot(whole)
+    from dualpath.core.errors import SpecError
+
+    with pytest.raises(SpecError, match="decode_ep_engines"):
+        SimParams(decode_ep_engines=-1)

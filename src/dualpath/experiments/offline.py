@@ -253,12 +253,22 @@ def _mean(v: Sequence[float]) -> float:
     return sum(v) / len(v) if v else 0.0
 
 
+def unit_ep_engines() -> tuple[int, int]:
+    """(prefill, decode) engines of the 2P4D unit: Table 3's large clusters shard MoE weights
+    over groups of that size, as copies of the unit would, not over their whole sides (the
+    paper scaled out without tuning parallelism, §7.6)."""
+    unit = setup("ds660b_2p4d").cluster()
+    return unit.num_prefill_engines, unit.num_decode_engines
+
+
 def table3_offline(ctx: Context, k: int) -> tuple[list[list[object]], float, float]:
-    """2P4D with n agents vs (2k)P(4k)D with k*n agents: rows and the two DualPath JCTs."""
+    """2P4D with n agents vs (2k)P(4k)D with k*n agents: rows and the two DualPath JCTs. The
+    large cluster keeps the small one's expert-parallel groups (`unit_ep_engines`)."""
     n = ctx.agents[0] if ctx.agents else (128 if ctx.is_quick else 512)
     small = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", n, "64k"))
     big = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", k * n, "64k",
-                                 num_prefill_nodes=2 * k, num_decode_nodes=4 * k))
+                                 num_prefill_nodes=2 * k, num_decode_nodes=4 * k,
+                                 ep_engines=unit_ep_engines()))
     rows: list[list[object]] = [
         ["offline", "2P4D", n, "", small.jct_s, small.num_completed],
         ["offline", f"{2 * k}P{4 * k}D", k * n, "", big.jct_s, big.num_completed],

@@ -67,7 +67,8 @@ def steady_point(r: SimResult, aps: float) -> OnlinePoint:
 
 
 def _spec(
-    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None
+    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None,
+    ep: tuple[int, int] = (0, 0),
 ) -> RunSpec:
     dur = ctx.online_duration_s or (600.0 if ctx.is_quick else 2400.0)
     n = math.ceil(aps * dur * 1.2) + 8
@@ -76,15 +77,17 @@ def _spec(
     mal = ctx.mals[0] if ctx.mals else ("32k" if ctx.is_quick else "64k")
     p, d = pd or (0, 0)
     return RunSpec(name, mode, n, mal, aps=aps, max_duration_s=dur, num_prefill_nodes=p,
-                   num_decode_nodes=d)
+                   num_decode_nodes=d, ep_engines=ep)
 
 
 def point(
-    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None = None
+    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None = None,
+    ep: tuple[int, int] = (0, 0),
 ) -> OnlinePoint:
-    """The online point of `mode` at `aps`, at P/D `pd` in nodes (None: the setup's)."""
+    """The online point of `mode` at `aps`, at P/D `pd` in nodes (None: the setup's), with
+    expert-parallel groups of `ep` = (prefill, decode) engines (0: the whole side)."""
     aps = round(aps, 4)
-    return steady_point(ctx.runner.run(_spec(ctx, name, mode, aps, pd)), aps)
+    return steady_point(ctx.runner.run(_spec(ctx, name, mode, aps, pd, ep)), aps)
 
 
 MAX_DOUBLINGS = 6

@@ -12,7 +12,7 @@ from functools import cache
 from dualpath.core.errors import SpecError
 from dualpath.experiments.paper import MAL_TOKENS
 from dualpath.experiments.setups import setup
-from dualpath.sim import Driver, SimConfig, SimResult, Workload, mode_preset, simulate
+from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, mode_preset, simulate
 from dualpath.sim.workload import agent_workload
 
 
@@ -36,6 +36,8 @@ class RunSpec:
     num_decode_nodes: int = 0
     cost_overrides: tuple[tuple[str, float], ...] = ()
     seed: int = 0
+    ep_engines: tuple[int, int] = (0, 0)
+    """Engines per expert-parallel group, (prefill, decode); 0: the whole side (`SimParams`)."""
 
     def __post_init__(self) -> None:
         if self.mal not in MAL_TOKENS:
@@ -68,6 +70,8 @@ class RunSpec:
                                self.seed),
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
             cost_overrides=self.cost_overrides,
+            params=SimParams(prefill_ep_engines=self.ep_engines[0],
+                             decode_ep_engines=self.ep_engines[1]),
         )
 
 

@@ -88,6 +88,14 @@ class SimParams:
     """Synchronize each node's engines per forward step (EP group). None: iff the model is MoE."""
     utilization_bin_s: float = 10.0
     """Width of the bins of the per-resource utilization time series."""
+    prefill_ep_engines: int = 0
+    """Engines one expert-parallel group spans on the prefill side: a MoE model's weights are
+    sharded over them, which sets the weight bytes each engine holds (and so its HBM left for
+    KV). 0: every prefill engine of the cluster."""
+    decode_ep_engines: int = 0
+    """The same on the decode side, where the shard is also read once per decode step. 0: every
+    decode engine of the cluster (a cluster scaled out as copies of a small unit keeps the
+    unit's count instead)."""
 
     def __post_init__(self) -> None:
         o = "sim.params"
@@ -103,6 +111,8 @@ class SimParams:
             raise SpecError(o, "hbm_reserve_fraction", self.hbm_reserve_fraction, "must be < 1")
         non_negative(o, "storage_cluster_bytes_per_s", self.storage_cluster_bytes_per_s)
         positive(o, "utilization_bin_s", self.utilization_bin_s)
+        non_negative_int(o, "prefill_ep_engines", self.prefill_ep_engines)
+        non_negative_int(o, "decode_ep_engines", self.decode_ep_engines)
 
 
 @dataclass(frozen=True)

@@ -118,10 +118,13 @@ class Simulator:
                 w /= num_engines
             return max(0.0, self.hw.hbm_bytes * (1.0 - self.params.hbm_reserve_fraction) - w)
 
-        self.pe_hbm_kv_bytes = kv_room(cl.num_prefill_engines)
+        sp = self.params
+        self.pe_hbm_kv_bytes = kv_room(min(sp.prefill_ep_engines or cl.num_prefill_engines,
+                                           cl.num_prefill_engines))
         # Decode steps read each engine's shard of those same weights.
-        self.num_decode_engines = cl.num_decode_engines
-        de_hbm_kv = kv_room(cl.num_decode_engines)
+        self.decode_ep_engines = min(sp.decode_ep_engines or cl.num_decode_engines,
+                                     cl.num_decode_engines)
+        de_hbm_kv = kv_room(self.decode_ep_engines)
         self.nodes: list[Node] = []
         self.engines: list[Engine] = []
         for n in range(cl.num_nodes):
@@ -682,7 +685,7 @@ class Simulator:
             eng.decode_step_s = (
                 costmod.decode_step_time_s(self.model, self.hw, eng.num_decoding,
                                            eng.ctx_tokens, self.coeffs,
-                                           num_expert_parallel_engines=self.num_decode_engines)
+                                           num_expert_parallel_engines=self.decode_ep_engines)
                 if eng.num_decoding else 0.0
             )
         engines = self.engines
