@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="aggregate read cap of the storage cluster (default: none)")
     s.add_argument("--inference-load", type=float, default=0.0, metavar="FRACTION",
                    help="high-priority traffic share of a compute NIC during forward passes")
+    s.add_argument("--prefill-ep-engines", type=int, default=0, metavar="N",
+                   help="engines sharing one copy of a MoE model's weights on the prefill side "
+                   "(default 0: all prefill engines)")
+    s.add_argument("--decode-ep-engines", type=int, default=0, metavar="N",
+                   help="the same on the decode side, where each decode step reads the shard "
+                   "(default 0: all decode engines; 32 = a 2P4D unit's, as in Table 3's scale-out)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summaries as JSON")
     o.add_argument("--csv", metavar="PATH",
@@ -158,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         driver = Driver(kind="offline", num_agents=args.agents)
     params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gbps * GB,
-                       inference_load_fraction=args.inference_load)
+                       inference_load_fraction=args.inference_load,
+                       prefill_ep_engines=args.prefill_ep_engines,
+                       decode_ep_engines=args.decode_ep_engines)
     base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
     results: dict[str, SimResult] = {}
     for name in modes:
