@@ -207,7 +207,8 @@ class Simulator:
                 "sim", "workload", f"turn of {self.wl_prompt[row]}+{self.wl_gen[row]} tokens",
                 f"needs {need / 1e9:.1f} GB of decode-engine HBM for KV but an engine has "
                 f"{de_hbm_kv_bytes / 1e9:.1f} GB (HBM x {1 - self.params.hbm_reserve_fraction:g} "
-                "minus its weight share); use a shorter --mal, more HBM, or smaller KV/weights",
+                "minus its weight share); use a shorter --mal, more HBM, smaller KV/weights or a "
+                "larger expert-parallel group (--decode-ep-engines)",
             )
 
     def _link(self, name: str, kind: str, node: int, cap: float, bin_s: float) -> Link:
