@@ -7,9 +7,9 @@ group's total `tok`) is a property, not a stored counter.
 
 The types built on every fetch (reports, requests, plans, assignments, fetch results) are
 dataclasses for equality, hashing, `repr`, `fields` and `replace`, but with a written `__init__`
-instead of `frozen=True`: under mypyc a dataclass-generated `__init__` runs interpreted, about 30x
-slower than a compiled one (0.9 us against 0.03 us for seven fields, measured on the dev VM), and
-building them was about a tenth of a heavy simulation. Treat them as frozen all the same.
+instead of `frozen=True`: under mypyc a dataclass-generated `__init__` runs interpreted, many
+times slower than a compiled one, and a sampling profile of a heavy simulation showed building
+these types as a sizable share of it. Treat them as frozen all the same.
 
 Paper names (§6.1): `seq_e` -> `EngineReport.num_seqs`, `tok_e` -> `EngineReport.num_tokens`,
 `read_q_{n(e)}` -> `EngineReport.read_q_tokens`.

@@ -294,30 +294,14 @@ class FlowNet:
         # A wide flow that joined through its bottleneck brings its tight links into the
         # problem (they bound it) but the search does not spread through them.
         for k, f in enumerate(list(flows)):
-            spreads = k < num_seed_flows or not f.is_wide
-            for link in f.links:
-                if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
-                    if link._mark != ep:
-                        link._mark = ep
-                        tight.append(link)
-                    if spreads and link._queued != ep:
-                        link._queued = ep
-                        queue.append(link)
+            _take_tight_links(f, k < num_seed_flows or not f.is_wide, ep, tight, queue)
         while queue and len(flows) < MAX_COMPONENT_FLOWS:
             link = queue.popleft()
             for f in link.flows:
                 if f._mark != ep and (not f.is_wide or f.bottleneck is link):
                     f._mark = ep
                     flows.append(f)
-                    spreads = not f.is_wide
-                    for other in f.links:
-                        if other.bound_load > other.capacity_bytes_per_s * _TIGHT:
-                            if other._mark != ep:
-                                other._mark = ep
-                                tight.append(other)
-                            if spreads and other._queued != ep:
-                                other._queued = ep
-                                queue.append(other)
+                    _take_tight_links(f, not f.is_wide, ep, tight, queue)
         if not flows:
             return
         # Residual capacity for the set: the capacity minus the load of flows outside it.
@@ -463,6 +447,21 @@ at 12P24D with 12K agents, recomputes of up to 64 flows over thousands of flow-l
 the run to under 2k turns per CPU-second by its middle. A step's flow spans at most one prefill
 node and four decode nodes in a 2P4D cluster (or any smaller one), so those never have a wide
 flow and their results are exact."""
+
+
+def _take_tight_links(
+    f: Flow, spreads: bool, ep: int, tight: list[Link], queue: deque[Link]
+) -> None:
+    """Add `f`'s tight links to recompute `ep`'s tight set and, if the search `spreads`
+    through `f`, to its queue (each link once to each)."""
+    for link in f.links:
+        if link.bound_load > link.capacity_bytes_per_s * _TIGHT:
+            if link._mark != ep:
+                link._mark = ep
+                tight.append(link)
+            if spreads and link._queued != ep:
+                link._queued = ep
+                queue.append(link)
 
 
 def _num_hosts(links: dict[Link, float]) -> int:
