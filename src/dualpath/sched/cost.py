@@ -68,6 +68,10 @@ class CostCoefficients:
     """Fixed time per MoE layer per forward pass (expert-parallel dispatch + combine)."""
     is_fp8_linear: bool = True
     """Linear layers run on FP8 tensor cores (DeepSeek) rather than BF16."""
+    hbm_reserve_fraction: float = 0.1
+    """Fraction of each GPU's HBM that holds neither weights nor KV: activations, CUDA graphs,
+    communication buffers, fragmentation. It sets how many sequences a decode engine holds, the
+    decode batch, so it is fitted with the GPU times to the paper's Oracle at high load."""
     source: str = ""
     """Where the values come from, or what they were fitted to."""
 
@@ -80,6 +84,10 @@ class CostCoefficients:
                 raise SpecError(owner, name, value, "is a fraction of peak and must be <= 1")
         for name in ("per_layer_overhead_s", "per_step_overhead_s", "moe_layer_overhead_s"):
             non_negative(owner, name, getattr(self, name))
+        non_negative(owner, "hbm_reserve_fraction", self.hbm_reserve_fraction)
+        if self.hbm_reserve_fraction >= 1.0:
+            raise SpecError(owner, "hbm_reserve_fraction", self.hbm_reserve_fraction,
+                            "must be < 1")
         if not isinstance(self.is_fp8_linear, bool):
             raise SpecError(owner, "is_fp8_linear", self.is_fp8_linear, "must be true or false")
 

@@ -80,8 +80,9 @@ class SimParams:
     pass; KV traffic gets the rest but never less than `kv_min_share`."""
     kv_min_share: float = 0.01
     """The low-priority class's guaranteed share when both are backlogged (99:1 arbitration)."""
-    hbm_reserve_fraction: float = 0.1
-    """HBM held back for activations and workspace, beyond the model weights."""
+    hbm_reserve_fraction: float | None = None
+    """HBM held back for activations and workspace, beyond the model weights. None: the cost
+    coefficients' fitted value (`CostCoefficients.hbm_reserve_fraction`)."""
     storage_cluster_bytes_per_s: float = 0.0
     """Aggregate read cap of the storage cluster (0: none; each storage NIC is its own cap)."""
     is_group_synchronized: bool | None = None
@@ -106,9 +107,11 @@ class SimParams:
             raise SpecError(o, "inference_load_fraction", self.inference_load_fraction,
                             "must be <= 1")
         positive(o, "kv_min_share", self.kv_min_share)
-        non_negative(o, "hbm_reserve_fraction", self.hbm_reserve_fraction)
-        if self.hbm_reserve_fraction >= 1.0:
-            raise SpecError(o, "hbm_reserve_fraction", self.hbm_reserve_fraction, "must be < 1")
+        if self.hbm_reserve_fraction is not None:
+            non_negative(o, "hbm_reserve_fraction", self.hbm_reserve_fraction)
+            if self.hbm_reserve_fraction >= 1.0:
+                raise SpecError(o, "hbm_reserve_fraction", self.hbm_reserve_fraction,
+                                "must be < 1")
         non_negative(o, "storage_cluster_bytes_per_s", self.storage_cluster_bytes_per_s)
         positive(o, "utilization_bin_s", self.utilization_bin_s)
         non_negative_int(o, "prefill_ep_engines", self.prefill_ep_engines)

@@ -91,6 +91,8 @@ class Simulator:
         if config.cost_overrides:
             coeffs = replace(coeffs, **dict(config.cost_overrides))  # type: ignore[arg-type]
         self.coeffs = coeffs
+        self.hbm_reserve = (coeffs.hbm_reserve_fraction if self.params.hbm_reserve_fraction is None
+                            else self.params.hbm_reserve_fraction)
         self.policy = Policy(config, coeffs)
         self.attn_fixed_s = costmod.attention_fixed_time_s(self.model, coeffs)
         self._reports: dict[int, EngineReport] = {}
@@ -116,7 +118,7 @@ class Simulator:
             w = self.model.weight_bytes
             if self.model.is_moe:
                 w /= num_engines
-            return max(0.0, self.hw.hbm_bytes * (1.0 - self.params.hbm_reserve_fraction) - w)
+            return max(0.0, self.hw.hbm_bytes * (1.0 - self.hbm_reserve) - w)
 
         sp = self.params
         self.pe_hbm_kv_bytes = kv_room(min(sp.prefill_ep_engines or cl.num_prefill_engines,
@@ -206,7 +208,7 @@ class Simulator:
             raise SpecError(
                 "sim", "workload", f"turn of {self.wl_prompt[row]}+{self.wl_gen[row]} tokens",
                 f"needs {need / 1e9:.1f} GB of decode-engine HBM for KV but an engine has "
-                f"{de_hbm_kv_bytes / 1e9:.1f} GB (HBM x {1 - self.params.hbm_reserve_fraction:g} "
+                f"{de_hbm_kv_bytes / 1e9:.1f} GB (HBM x {1 - self.hbm_reserve:g} "
                 "minus its weight share); use a shorter --mal, more HBM, smaller KV/weights or a "
                 "larger expert-parallel group (--decode-ep-engines)",
             )

@@ -99,11 +99,12 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
                                      f"valid: {', '.join(CALIBRATION_CELLS)}")
         started = time.perf_counter()
         cal = calibrate_setup(ctx.runner, name, CALIBRATION_CELLS[name],
-                              num_iters=1,
+                              num_iters=1 if args.quick else 3,
                               agent_divisor=8 if args.quick else 1)
         wall = time.perf_counter() - started
         records[name] = calibration_to_json(cal, wall)
-        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, RMS log residual "
+        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, hbm_reserve_fraction "
+              f"{cal.hbm_reserve_fraction:.3f}, RMS log residual "
               f"{cal.rms_log_before:.3f} -> "
               f"{cal.rms_log_after:.3f} ({cal.num_evals} evaluations, {wall:.0f} s)")
         for c in cal.cells:
@@ -113,7 +114,8 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
             note = (f"fitted to paper Fig. 7 {name} Oracle JCTs at (agents, MAL) "
                     f"{list(CALIBRATION_CELLS[name])} by `dualpath reproduce calibrate --write`: "
                     f"gpu_time_scale {cal.gpu_time_scale:.3f} (all GPU times x k) on the prior "
-                    "values; residuals "
+                    f"values and hbm_reserve_fraction {cal.hbm_reserve_fraction:.3f} (HBM "
+                    "holding neither weights nor KV); residuals "
                     + ", ".join(f"{100 * c.residual:+.1f}%" for c in cal.cells))
             print(f"  wrote {write_fitted(cal, note)}")
     if not args.quick:
