@@ -101,6 +101,10 @@ def test_lookup_order_and_errors_name_file_and_field(tmp_path: Path) -> None:
     bad = _write(tmp_path, [{"model": "*", "hardware": "*", **{**base, "linear_efficiency": 2}}])
     with pytest.raises(CostFileError, match=r"c\.json:\d+: .*linear_efficiency=2"):
         load_cost_coefficients("m", "h", bad)
+    full = _write(tmp_path, [{"model": "*", "hardware": "*",
+                              **{**base, "hbm_reserve_fraction": 1.0}}])
+    with pytest.raises(CostFileError, match=r"c\.json:\d+: .*hbm_reserve_fraction=1"):
+        load_cost_coefficients("m", "h", full)
     unknown = _write(tmp_path, [{"model": "*", "hardware": "*", **base, "speed": 1}])
     with pytest.raises(CostFileError, match="unknown field.*speed"):
         load_cost_coefficients("m", "h", unknown)

@@ -314,3 +314,32 @@ def test_expert_parallel_groups_set_the_weight_shard_each_decode_step_reads() ->
 
     with pytest.raises(SpecError, match="decode_ep_engines"):
         SimParams(decode_ep_engines=-1)
+
+
+def test_hbm_reserve_comes_from_the_cost_coefficients_unless_the_params_set_it() -> None:
+    # 96 agents of ~30K tokens (21 KB each) on one decode node: 8 engines x (80 GB x 0.1 -
+    # 3.4 GB weight share) hold ~7 of them each at a 90% reserve, all of them at 10%.
+    cluster = _cluster(1, 1)
+    wl = _agents(96, 2, append=200, gen=2000, first=30000)
+
+    def csv(r: SimResult) -> str:
+        out = io.StringIO()
+        r.write_csv(out)
+        return out.getvalue()
+
+    default = _run(cluster, wl, "oracle")
+    assert csv(default) == csv(_run(cluster, wl, "oracle",
+                                    params=SimParams(hbm_reserve_fraction=0.1)))
+    by_coeff = _run(cluster, wl, "oracle", cost_overrides=(("hbm_reserve_fraction", 0.9),))
+    by_param = _run(cluster, wl, "oracle", params=SimParams(hbm_reserve_fraction=0.9))
+    assert csv(by_coeff) == csv(by_param)
+    # The params win over the coefficients.
+    both = _run(cluster, wl, "oracle", cost_overrides=(("hbm_reserve_fraction", 0.9),),
+                params=SimParams(hbm_reserve_fraction=0.1))
+    assert csv(both) == csv(default)
+    # Fewer sequences per decode engine: turns wait for HBM, and the run takes longer.
+    assert by_coeff.jct_s > 1.5 * default.jct_s
+    from dualpath.core.errors import SpecError
+
+    with pytest.raises(SpecError, match="hbm_reserve_fraction"):
+        SimParams(hbm_reserve_fraction=1.0)

@@ -113,9 +113,10 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
         if args.write:
             note = (f"fitted to paper Fig. 7 {name} Oracle JCTs at (agents, MAL) "
                     f"{list(CALIBRATION_CELLS[name])} by `dualpath reproduce calibrate --write`: "
-                    f"gpu_time_scale {cal.gpu_time_scale:.3f} (all GPU times x k) on the prior "
-                    f"values and hbm_reserve_fraction {cal.hbm_reserve_fraction:.3f} (HBM "
-                    "holding neither weights nor KV); residuals "
+                    f"gpu_time_scale {cal.gpu_time_scale:.3f} (all GPU times x k) on the packaged "
+                    "values it started from and hbm_reserve_fraction "
+                    f"{cal.hbm_reserve_fraction:.3f} (HBM holding neither weights nor KV); "
+                    "residuals "
                     + ", ".join(f"{100 * c.residual:+.1f}%" for c in cal.cells))
             print(f"  wrote {write_fitted(cal, note)}")
     if not args.quick:
