@@ -12,7 +12,7 @@ from dualpath.core.errors import DualPathError
 from dualpath.experiments.extensions import advise
 from dualpath.experiments.report import Context, section_markdown
 from dualpath.experiments.runner import Runner, RunSpec
-from dualpath.experiments.setups import HARDWARE, SETUPS
+from dualpath.experiments.setups import HARDWARE, SETUPS, setup
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
 
 
@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
 
     def on_run(spec: RunSpec, res: SimResult, wall: float) -> None:
-        print(f"  {spec.num_prefill_nodes}P{spec.num_decode_nodes}D {spec.mode:<9} "
+        # The setup's own P/D is stored as 0/0 (one cache key); print the cluster run.
+        cl = setup(spec.setup).cluster(spec.num_prefill_nodes or None,
+                                       spec.num_decode_nodes or None)
+        print(f"  {cl.num_prefill_nodes}P{cl.num_decode_nodes}D {spec.mode:<9} "
               f"{spec.aps:.3f} APS: {res.num_completed} turns, {res.stop_reason}, "
               f"{wall:.1f} s wall", file=sys.stderr, flush=True)
 
