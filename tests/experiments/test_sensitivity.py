@@ -23,4 +23,6 @@ def test_storage_rate_section_reports_both_rates_and_the_half_rate_runs(tmp_path
     for r in rows:
         assert 0 < float(r["basic_read_gb_per_s_per_pe_node"]) <= float(r["snic_gb_per_s"])
         assert 0 < float(r["dualpath_read_gb_per_s_per_node"]) <= float(r["snic_gb_per_s"])
-    assert "paper's Basic rate" in sec.body and (tmp_path / "storage_rate.png").exists()
+    assert "paper's Basic rate" in sec.body
+    assert (tmp_path / "storage_rate_ds660b_2p4d.png").exists()
+    assert (tmp_path / "storage_rate_ds27b_1p1d.png").exists()

@@ -121,19 +121,24 @@ def storage_rate(ctx: Context) -> Section:
                       "paper_dualpath_jct_s", "paper_oracle_jct_s",
                       "paper_implied_gb_per_s_per_pe_node",
                       "paper_dualpath_implied_gb_per_s_per_node"], rows)
-    labels = [f"{setup(str(r[0])).label}\n{r[1]} agents\nSNIC {float(str(r[2])):g} GB/s"
-              for r in rows]
+    pngs = []
+    for name in setups:
+        mine = [r for r in rows if r[0] == name]
+        if not mine:
+            continue
 
-    def col(i: int) -> list[float | None]:
-        return [float(str(r[i])) if r[i] is not None else None for r in rows]
+        def col(i: int, mine: list[list[object]] = mine) -> list[float | None]:
+            return [float(str(r[i])) if r[i] is not None else None for r in mine]
 
-    png = plots.grouped_bars(
-        ctx.path("storage_rate.png"), labels,
-        {"basic": [float(str(r[3])) for r in rows], "dualpath": [float(str(r[4])) for r in rows],
-         "oracle": [float(str(r[5])) for r in rows]},
-        "JCT (s)", f"Fig. 7 at {MAL}: JCT vs storage-NIC rate per node",
-        paper={"basic": col(8), "dualpath": col(9), "oracle": col(10)},
-    )
+        pngs.append(plots.grouped_bars(
+            ctx.path(f"storage_rate_{name}.png"),
+            [f"{r[1]} agents\nSNIC {float(str(r[2])):g} GB/s" for r in mine],
+            {"basic": [float(str(r[3])) for r in mine],
+             "dualpath": [float(str(r[4])) for r in mine],
+             "oracle": [float(str(r[5])) for r in mine]},
+            "JCT (s)", f"{setup(name).label}, Fig. 7 at {MAL}: JCT vs storage-NIC rate per node",
+            paper={"basic": col(8), "dualpath": col(9), "oracle": col(10)},
+        ))
     body = (
         "Basic reads every hit token through the prefill nodes' storage NICs, so a Basic JCT "
         "fixes the mean rate at which each of them moved KV over the run (hit KV of the "
@@ -163,7 +168,7 @@ def storage_rate(ctx: Context) -> Section:
         "mismatches."
     )
     return Section("storage-rate", "Why Fig. 7's storage-bound cells differ: the storage read "
-                   "rate", body, (csvp, png), time.perf_counter() - started, ctx.scale)
+                   "rate", body, (csvp, *pngs), time.perf_counter() - started, ctx.scale)
 
 
 def _span(values: Sequence[float], unit: str, signed: bool = False) -> str:
