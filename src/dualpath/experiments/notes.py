@@ -62,10 +62,11 @@ These causes apply to every section; each section's tables show how large the di
    3FS saturates the NIC, and report the cells this leaves apart as mismatches.
 9. **Scale.** The quick report scales Table 3 by 2x. The paper's offline size also runs here
    (`dualpath reproduce table3 --scale-out 24 --agents 2048`: 48P96D with 49,152 agents, 7.7
-   million turns; about 13 minutes for the whole section, under "Separate runs"). The large
-   cluster keeps the 2P4D unit's expert-parallel groups. With the MoE weights sharded over all
-   768 decode engines instead (the simulator's default for a single cluster), each decode step
-   reads a 24x smaller shard, and the large cluster finished in 0.71x the small one's JCT with
-   half its TPOT (measured at commit 2a3676c), a gain from retuned parallelism that the paper's
-   scale-out does not claim.
+   million turns; 13 to 32 minutes for the whole section here, depending on what else shares
+   the two cores; under "Separate runs"). The large cluster keeps the 2P4D unit's
+   expert-parallel groups. With the MoE weights sharded over all 768 decode engines instead
+   (the simulator's default for a single cluster), each decode step reads a 24x smaller shard,
+   and the large cluster finished in 0.71x the small one's JCT with half its TPOT (measured at
+   commit 2a3676c, with the earlier one-factor calibration), a gain from retuned parallelism
+   that the paper's scale-out does not claim.
 """
