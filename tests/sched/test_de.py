@@ -162,3 +162,22 @@ def test_least_loaded_group_is_the_drain_choice_for_one_request() -> None:
         assert de_least_loaded_group(loads) == a.group_id
     with pytest.raises(SpecError, match="at least one DE group"):
         de_least_loaded_group([])
+
+
+def test_sequence_cap_rules_out_full_engines_in_both_policies() -> None:
+    # Engine 0 already holds 2 sequences, engine 1 holds 1; a cap of 2 leaves engine 1 one
+    # slot, so only one of the three requests is placed (HBM alone would place all three).
+    reports = [de(0, 2, 0), de(1, 1, 0)]
+    queue = [req(i) for i in range(3)]
+    assert len(engines(de_group_fetch(queue, reports, params()))) == 3
+    assert engines(de_group_fetch(queue, reports, params(max_seqs_per_decode_engine=2))) == [1]
+    f, _ = de_group_fetch_round_robin(queue, reports, params(max_seqs_per_decode_engine=3))
+    assert engines(f) == [0, 1, 1]  # engine 0 reaches 3 after one, engine 1 after two
+    f, _ = de_group_fetch_round_robin(queue, reports, params(max_seqs_per_decode_engine=2))
+    assert engines(f) == [1]
+    # The cap also applies when every engine is above Z (the minimum-tok fallback).
+    high = [de(0, 5, 900), de(1, 1, 1000)]
+    assert engines(de_group_fetch([req(0)], high, params(max_seqs_per_decode_engine=5))) == [1]
+    with pytest.raises(SpecError, match="max_seqs_per_decode_engine"):
+        params(max_seqs_per_decode_engine=-1)
+    assert params().with_overrides(max_seqs_per_decode_engine=4.0).max_seqs_per_decode_engine == 4

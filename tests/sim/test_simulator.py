@@ -343,3 +343,21 @@ def test_hbm_reserve_comes_from_the_cost_coefficients_unless_the_params_set_it()
 
     with pytest.raises(SpecError, match="hbm_reserve_fraction"):
         SimParams(hbm_reserve_fraction=1.0)
+
+
+def test_sequence_cap_per_decode_engine_limits_concurrency_like_a_smaller_hbm() -> None:
+    from dualpath.sched.cost import coefficients_for
+    from dualpath.sched.params import derive_scheduler_params
+
+    cluster = _cluster(1, 1)
+    wl = _agents(96, 2, append=200, gen=2000, first=30000)
+    base = derive_scheduler_params(cluster.model, cluster.hardware,
+                                   coefficients_for(cluster.model, cluster.hardware))
+    free = _run(cluster, wl, "oracle", scheduler=base)
+    capped = _run(cluster, wl, "oracle",
+                  scheduler=base.with_overrides(max_seqs_per_decode_engine=6))
+    # 8 engines x 6 sequences hold half of the 96 agents: turns wait for a slot.
+    assert capped.num_completed == free.num_completed == wl.num_turns
+    assert capped.jct_s > 1.5 * free.jct_s
+    breakdown = capped.summary()["ttft_breakdown_s"]
+    assert isinstance(breakdown, dict) and breakdown["allocation"] > 1.0

@@ -11,6 +11,8 @@ Phase 2 (`de_group_fetch`), within the fetching group with engines E:
 - then the head request r goes, among DEs with free HBM >= need(r), to the minimum-`seq` DE
   with `tok + len(r) <= Z`, else to the minimum-`tok` DE (ties: lower engine id); that DE's
   seq, tok and free HBM are updated; the fetch ends when no DE has enough HBM for the head.
+- `SchedulerParams.max_seqs_per_decode_engine` > 0 (not in the paper) also rules out a DE that
+  holds that many sequences; R and Z still count HBM only.
 
 `len(r)` is `SchedulerParams.de_tok_charge` of r, the same amount it adds to `tok`.
 """
@@ -153,6 +155,7 @@ def de_group_fetch(
     free = [r.free_hbm_bytes for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
+    cap = params.max_seqs_per_decode_engine
     candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params)
     z = params.z_factor * (len_r + sum(tok)) / n
     # tok only grows within a fetch and Z is fixed, so an engine above Z never becomes a
@@ -165,7 +168,7 @@ def de_group_fetch(
         length = params.de_tok_charge.tokens(r)
         chosen, fallback = -1, -1
         for _, _, i in low:
-            if free[i] < need:
+            if free[i] < need or (cap and seq[i] >= cap):
                 continue
             if tok[i] + length <= z:
                 chosen = i
@@ -174,7 +177,7 @@ def de_group_fetch(
                 fallback = i
         if chosen < 0:
             for t, e, i in high:
-                if free[i] >= need:
+                if free[i] >= need and not (cap and seq[i] >= cap):
                     if fallback < 0 or (t, e) < (tok[fallback], engine_ids[fallback]):
                         fallback = i
                     break
@@ -224,11 +227,13 @@ def de_group_fetch_round_robin(
 ) -> tuple[DEFetch, int]:
     """Baseline phase 2: the head goes to the next engine in report order from `start` that
     has enough HBM (ignoring seq, tok and Z); the fetch ends when none has. Returns the fetch
-    and the next start. Same HBM admission as `de_group_fetch`."""
+    and the next start. Same HBM admission (and sequence cap) as `de_group_fetch`."""
     if not is_validated:
         check_reports(reports, Role.DECODE)
     n = len(reports)
     free = [r.free_hbm_bytes for r in reports]
+    seq = [r.num_seqs for r in reports]
+    cap = params.max_seqs_per_decode_engine
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
     pos = start % n
@@ -236,12 +241,14 @@ def de_group_fetch_round_robin(
     for r in private_queue:
         need = params.hbm_bytes(r)
         for k in range(n):
-            if free[(pos + k) % n] >= need:
-                i = (pos + k) % n
+            j = (pos + k) % n
+            if free[j] >= need and not (cap and seq[j] >= cap):
+                i = j
                 break
         else:
             break
         free[i] -= need
+        seq[i] += 1
         pos = (i + 1) % n
         rep = reports[i]
         plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)

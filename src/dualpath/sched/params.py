@@ -114,6 +114,9 @@ class SchedulerParams:
     assignment_order: AssignmentOrder = AssignmentOrder.DE_FIRST
     r_set_stops_at_first_misfit: bool = True
     dual_tie_side: ReadSide = ReadSide.PE
+    max_seqs_per_decode_engine: int = 0
+    """Most sequences one decode engine holds at once (serving systems' "max running
+    requests"); 0: no cap, HBM alone limits. Not in the paper."""
 
     def __post_init__(self) -> None:
         owner = "scheduler"
@@ -123,6 +126,11 @@ class SchedulerParams:
         positive(owner, "z_factor", self.z_factor)
         positive(owner, "compute_quota_s", self.compute_quota_s)
         positive_int(owner, "block_size_tokens", self.block_size_tokens)
+        if (not isinstance(self.max_seqs_per_decode_engine, int)
+                or isinstance(self.max_seqs_per_decode_engine, bool)
+                or self.max_seqs_per_decode_engine < 0):
+            raise SpecError(owner, "max_seqs_per_decode_engine", self.max_seqs_per_decode_engine,
+                            "must be an integer >= 0 (0: no cap)")
         for name, kind in (
             ("path_mode", PathMode), ("pe_tok_charge", TokCharge), ("de_tok_charge", TokCharge),
             ("hbm_need", HbmNeed), ("assignment_order", AssignmentOrder),
@@ -198,7 +206,7 @@ def _checked_override(name: str, value: object) -> object:
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError("scheduler", name, value, "must be a number")
-    if name == "block_size_tokens":
+    if name in ("block_size_tokens", "max_seqs_per_decode_engine"):
         if value != int(value):
             raise SpecError("scheduler", name, value, "must be an integer")
         return int(value)

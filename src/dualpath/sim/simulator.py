@@ -338,10 +338,13 @@ class Simulator:
             if not queue:
                 continue
             # Both DE policies end a fetch at once when the head fits no engine's free HBM
-            # (reports carry int(free)), with no state change: skip building that fetch.
+            # (reports carry int(free)) or every engine is at the sequence cap, with no state
+            # change: skip building that fetch.
             need = pol.params.hbm_bytes(waiting_of[queue[0].rid])
             engines = self.engines
-            if all(int(engines[e].free_hbm_bytes) < need for e in grp.engines):
+            cap = pol.params.max_seqs_per_decode_engine
+            if all(int(engines[e].free_hbm_bytes) < need
+                   or (cap and engines[e].num_seqs >= cap) for e in grp.engines):
                 continue
             reports = self._group_reports(grp.engines, Role.DECODE)
             # Lazy: R stops at the first misfit, so a long private queue is not walked.
