@@ -1,0 +1,73 @@
+"""Oracle residuals against the paper's Fig. 7 for one candidate decode-capacity model.
+
+A diagnostic for the next calibration, not part of `dualpath reproduce`: it runs the twelve
+Fig. 7 Oracle cells of a setup (512-4,096 agents at 32K, 64K and 48K) with every GPU time
+scaled by `--k` on the packaged coefficients, the HBM reserve set to `--reserve`, and, with
+`--cap`, at most that many sequences per decode engine
+(`SchedulerParams.max_seqs_per_decode_engine`). It prints the RMS log residual of the 32K and
+64K columns (the ones `reproduce calibrate` fits) and of the held-out 48K column, then each
+cell's residual.
+
+    python tools/oracle_fit_probe.py ds660b_2p4d --cap 18 --k 0.92 --reserve 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+
+from dualpath.experiments.calibrate import scaled_overrides
+from dualpath.experiments.paper import fig7_point
+from dualpath.experiments.runner import RunSpec
+from dualpath.experiments.setups import HARDWARE, setup
+from dualpath.sched.cost import load_cost_coefficients
+from dualpath.sched.params import derive_scheduler_params
+from dualpath.sim import simulate
+
+AGENTS = (512, 1024, 2048, 4096)
+MALS = ("32k", "64k", "48k")
+HELD_OUT = "48k"
+
+
+def _rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("setup", help="ds660b_2p4d or ds27b_1p1d")
+    ap.add_argument("--k", type=float, default=1.0,
+                    help="GPU-time scale on the packaged coefficients (default 1)")
+    ap.add_argument("--reserve", type=float, default=None,
+                    help="HBM reserve fraction (default: the packaged value)")
+    ap.add_argument("--cap", type=int, default=0,
+                    help="sequences per decode engine (default 0: no cap)")
+    args = ap.parse_args()
+    base = load_cost_coefficients(setup(args.setup).model, HARDWARE)
+    overrides = scaled_overrides(base, args.k, args.reserve)
+    coeffs = replace(base, **dict(overrides))  # type: ignore[arg-type]
+    cells: list[tuple[int, str, float, float]] = []
+    for mal in MALS:
+        for agents in AGENTS:
+            point = fig7_point(args.setup, agents, mal)
+            if point is None or "oracle" not in point.jct_s:
+                continue
+            cfg = RunSpec(args.setup, "oracle", agents, mal, cost_overrides=overrides).config()
+            sched = derive_scheduler_params(cfg.cluster.model, cfg.cluster.hardware, coeffs)
+            if args.cap:
+                sched = sched.with_overrides(max_seqs_per_decode_engine=args.cap)
+            jct = simulate(replace(cfg, scheduler=sched)).jct_s
+            paper = point.jct_s["oracle"]
+            cells.append((agents, mal, jct, paper))
+            print(f"  {agents:>5} agents {mal}: sim {jct:,.0f} s, paper {paper:,.0f} s "
+                  f"({100 * (jct / paper - 1):+.1f}%)", flush=True)
+    fitted = [math.log(j / p) for _, m, j, p in cells if m != HELD_OUT]
+    held = [math.log(j / p) for _, m, j, p in cells if m == HELD_OUT]
+    print(f"{args.setup} k {args.k:g} reserve "
+          f"{coeffs.hbm_reserve_fraction:g} cap {args.cap}: RMS log residual {_rms(fitted):.3f} "
+          f"(32K and 64K), {_rms(held):.3f} (48K, held out)")
+
+
+if __name__ == "__main__":
+    main()
