@@ -17,17 +17,13 @@ import argparse
 import math
 from dataclasses import replace
 
-from dualpath.experiments.calibrate import scaled_overrides
+from dualpath.experiments.calibrate import CALIBRATION_CELLS, HOLDOUT_CELLS, scaled_overrides
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.runner import RunSpec
 from dualpath.experiments.setups import HARDWARE, setup
 from dualpath.sched.cost import load_cost_coefficients
 from dualpath.sched.params import derive_scheduler_params
 from dualpath.sim import simulate
-
-AGENTS = (512, 1024, 2048, 4096)
-MALS = ("32k", "64k", "48k")
-HELD_OUT = "48k"
 
 
 def _rms(values: list[float]) -> float:
@@ -47,23 +43,23 @@ def main() -> None:
     base = load_cost_coefficients(setup(args.setup).model, HARDWARE)
     overrides = scaled_overrides(base, args.k, args.reserve)
     coeffs = replace(base, **dict(overrides))  # type: ignore[arg-type]
-    cells: list[tuple[int, str, float, float]] = []
-    for mal in MALS:
-        for agents in AGENTS:
-            point = fig7_point(args.setup, agents, mal)
-            if point is None or "oracle" not in point.jct_s:
-                continue
-            cfg = RunSpec(args.setup, "oracle", agents, mal, cost_overrides=overrides).config()
-            sched = derive_scheduler_params(cfg.cluster.model, cfg.cluster.hardware, coeffs)
-            if args.cap:
-                sched = sched.with_overrides(max_seqs_per_decode_engine=args.cap)
-            jct = simulate(replace(cfg, scheduler=sched)).jct_s
-            paper = point.jct_s["oracle"]
-            cells.append((agents, mal, jct, paper))
-            print(f"  {agents:>5} agents {mal}: sim {jct:,.0f} s, paper {paper:,.0f} s "
-                  f"({100 * (jct / paper - 1):+.1f}%)", flush=True)
-    fitted = [math.log(j / p) for _, m, j, p in cells if m != HELD_OUT]
-    held = [math.log(j / p) for _, m, j, p in cells if m == HELD_OUT]
+    # The cells `reproduce calibrate` fits, then the ones it holds out.
+    fit_cells = CALIBRATION_CELLS.get(args.setup, ())
+    logs: dict[bool, list[float]] = {True: [], False: []}
+    for agents, mal in (*fit_cells, *HOLDOUT_CELLS):
+        point = fig7_point(args.setup, agents, mal)
+        if point is None or "oracle" not in point.jct_s:
+            continue
+        cfg = RunSpec(args.setup, "oracle", agents, mal, cost_overrides=overrides).config()
+        sched = derive_scheduler_params(cfg.cluster.model, cfg.cluster.hardware, coeffs)
+        if args.cap:
+            sched = sched.with_overrides(max_seqs_per_decode_engine=args.cap)
+        jct = simulate(replace(cfg, scheduler=sched)).jct_s
+        paper = point.jct_s["oracle"]
+        logs[(agents, mal) in fit_cells].append(math.log(jct / paper))
+        print(f"  {agents:>5} agents {mal}: sim {jct:,.0f} s, paper {paper:,.0f} s "
+              f"({100 * (jct / paper - 1):+.1f}%)", flush=True)
+    fitted, held = logs[True], logs[False]
     print(f"{args.setup} k {args.k:g} reserve "
           f"{coeffs.hbm_reserve_fraction:g} cap {args.cap}: RMS log residual {_rms(fitted):.3f} "
           f"(32K and 64K), {_rms(held):.3f} (48K, held out)")

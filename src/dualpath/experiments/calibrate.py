@@ -242,7 +242,8 @@ def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:
     return p
 
 
-_FIT_CELLS = tuple((a, mal) for mal in ("32k", "64k") for a in (512, 1024, 2048, 4096))
+_AGENTS = (512, 1024, 2048, 4096)
+_FIT_CELLS = tuple((a, mal) for mal in ("32k", "64k") for a in _AGENTS)
 
 CALIBRATION_CELLS: dict[str, tuple[tuple[int, str], ...]] = {
     "ds660b_2p4d": _FIT_CELLS,
@@ -250,7 +251,7 @@ CALIBRATION_CELLS: dict[str, tuple[tuple[int, str], ...]] = {
 }
 """Fig. 7 Oracle cells the fit uses: the 32K and 64K columns."""
 
-HOLDOUT_CELLS: tuple[tuple[int, str], ...] = tuple((a, "48k") for a in (512, 1024, 2048, 4096))
+HOLDOUT_CELLS: tuple[tuple[int, str], ...] = tuple((a, "48k") for a in _AGENTS)
 """Fig. 7 Oracle cells kept out of the fit (the residual section reports them as such)."""
 
 FIT_RECORD = "calibration.json"

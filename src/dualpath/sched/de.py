@@ -155,7 +155,6 @@ def de_group_fetch(
     free = [r.free_hbm_bytes for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
-    cap = params.max_seqs_per_decode_engine
     candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params)
     z = params.z_factor * (len_r + sum(tok)) / n
     # tok only grows within a fetch and Z is fixed, so an engine above Z never becomes a
@@ -168,7 +167,7 @@ def de_group_fetch(
         length = params.de_tok_charge.tokens(r)
         chosen, fallback = -1, -1
         for _, _, i in low:
-            if free[i] < need or (cap and seq[i] >= cap):
+            if free[i] < need or params.is_de_full(seq[i]):
                 continue
             if tok[i] + length <= z:
                 chosen = i
@@ -177,7 +176,7 @@ def de_group_fetch(
                 fallback = i
         if chosen < 0:
             for t, e, i in high:
-                if free[i] >= need and not (cap and seq[i] >= cap):
+                if free[i] >= need and not params.is_de_full(seq[i]):
                     if fallback < 0 or (t, e) < (tok[fallback], engine_ids[fallback]):
                         fallback = i
                     break
@@ -233,7 +232,6 @@ def de_group_fetch_round_robin(
     n = len(reports)
     free = [r.free_hbm_bytes for r in reports]
     seq = [r.num_seqs for r in reports]
-    cap = params.max_seqs_per_decode_engine
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
     pos = start % n
@@ -242,7 +240,7 @@ def de_group_fetch_round_robin(
         need = params.hbm_bytes(r)
         for k in range(n):
             j = (pos + k) % n
-            if free[j] >= need and not (cap and seq[j] >= cap):
+            if free[j] >= need and not params.is_de_full(seq[j]):
                 i = j
                 break
         else:

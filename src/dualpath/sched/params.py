@@ -35,7 +35,7 @@ from dualpath.core.errors import SpecError
 from dualpath.core.hardware import HardwareSpec
 from dualpath.core.model import ModelSpec
 from dualpath.core.pickling import pickle_by_fields
-from dualpath.core.validate import non_negative, positive, positive_int
+from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.sched.cost import CostCoefficients, coefficients_for, prefill_tokens_per_s
 from dualpath.sched.types import ReadSide, WaitingRequest
 
@@ -126,11 +126,7 @@ class SchedulerParams:
         positive(owner, "z_factor", self.z_factor)
         positive(owner, "compute_quota_s", self.compute_quota_s)
         positive_int(owner, "block_size_tokens", self.block_size_tokens)
-        if (not isinstance(self.max_seqs_per_decode_engine, int)
-                or isinstance(self.max_seqs_per_decode_engine, bool)
-                or self.max_seqs_per_decode_engine < 0):
-            raise SpecError(owner, "max_seqs_per_decode_engine", self.max_seqs_per_decode_engine,
-                            "must be an integer >= 0 (0: no cap)")
+        non_negative_int(owner, "max_seqs_per_decode_engine", self.max_seqs_per_decode_engine)
         for name, kind in (
             ("path_mode", PathMode), ("pe_tok_charge", TokCharge), ("de_tok_charge", TokCharge),
             ("hbm_need", HbmNeed), ("assignment_order", AssignmentOrder),
@@ -143,6 +139,11 @@ class SchedulerParams:
         for name in ("update_read_q_within_fetch", "r_set_stops_at_first_misfit"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(owner, name, getattr(self, name), "must be true or false")
+
+    def is_de_full(self, num_seqs: int) -> bool:
+        """A decode engine holding `num_seqs` sequences takes no more (the optional cap)."""
+        cap = self.max_seqs_per_decode_engine
+        return cap > 0 and num_seqs >= cap
 
     def hbm_bytes(self, r: WaitingRequest) -> int:
         """HBM a decode engine must reserve for `r` (see `hbm_need`)."""

@@ -120,12 +120,13 @@ class Simulator:
                 w /= num_engines
             return max(0.0, self.hw.hbm_bytes * (1.0 - self.hbm_reserve) - w)
 
+        def ep_group(size: int, side: int) -> int:  # 0, or more than the side: the whole side
+            return min(size or side, side)
+
         sp = self.params
-        self.pe_hbm_kv_bytes = kv_room(min(sp.prefill_ep_engines or cl.num_prefill_engines,
-                                           cl.num_prefill_engines))
+        self.pe_hbm_kv_bytes = kv_room(ep_group(sp.prefill_ep_engines, cl.num_prefill_engines))
         # Decode steps read each engine's shard of those same weights.
-        self.decode_ep_engines = min(sp.decode_ep_engines or cl.num_decode_engines,
-                                     cl.num_decode_engines)
+        self.decode_ep_engines = ep_group(sp.decode_ep_engines, cl.num_decode_engines)
         de_hbm_kv = kv_room(self.decode_ep_engines)
         self.nodes: list[Node] = []
         self.engines: list[Engine] = []
@@ -342,9 +343,8 @@ class Simulator:
             # change: skip building that fetch.
             need = pol.params.hbm_bytes(waiting_of[queue[0].rid])
             engines = self.engines
-            cap = pol.params.max_seqs_per_decode_engine
             if all(int(engines[e].free_hbm_bytes) < need
-                   or (cap and engines[e].num_seqs >= cap) for e in grp.engines):
+                   or pol.params.is_de_full(engines[e].num_seqs) for e in grp.engines):
                 continue
             reports = self._group_reports(grp.engines, Role.DECODE)
             # Lazy: R stops at the first misfit, so a long private queue is not walked.
