@@ -61,17 +61,18 @@ def test_write_fitted_updates_copy_and_keeps_format(tmp_path: Path) -> None:
     path = tmp_path / "cost.json"
     shutil.copy(default_cost_file(), path)
     base = load_cost_coefficients("ds-27b", "*", path)
-    fitted_ov = dict(scaled_overrides(base, 2.0, 0.35))
+    fitted_ov = dict(scaled_overrides(base, 2.0, 0.35, 24))
     from dataclasses import replace
 
     fitted = replace(base, **fitted_ov)  # type: ignore[arg-type]
-    cal = Calibration("ds27b_1p1d", "ds-27b", 2.0, 0.35, base, fitted,
+    cal = Calibration("ds27b_1p1d", "ds-27b", 2.0, 24, 0.35, base, fitted,
                       (CellFit(512, "32k", 390.0, 137.0, 380.0),), 4, 1.0, 0.03)
     write_fitted(cal, "fitted to a test target", path)
     loaded = load_cost_coefficients("ds-27b", "*", path)
     assert loaded.attention_efficiency == pytest.approx(base.attention_efficiency * 0.5, 1e-3)
     assert loaded.per_step_overhead_s == pytest.approx(base.per_step_overhead_s * 2.0, 1e-3)
     assert loaded.hbm_reserve_fraction == pytest.approx(0.35)
+    assert loaded.max_seqs_per_decode_engine == 24
     assert loaded.source.startswith("fitted to a test target || prior: ")
     doc = json.loads(path.read_text())
     assert "about" in doc and len(doc["entries"]) >= 4

@@ -105,6 +105,11 @@ def test_lookup_order_and_errors_name_file_and_field(tmp_path: Path) -> None:
                               **{**base, "hbm_reserve_fraction": 1.0}}])
     with pytest.raises(CostFileError, match=r"c\.json:\d+: .*hbm_reserve_fraction=1"):
         load_cost_coefficients("m", "h", full)
+    for cap in (-1, 2.5, True):
+        capped = _write(tmp_path, [{"model": "*", "hardware": "*",
+                                    **{**base, "max_seqs_per_decode_engine": cap}}])
+        with pytest.raises(CostFileError, match=r"c\.json:\d+: .*max_seqs_per_decode_engine"):
+            load_cost_coefficients("m", "h", capped)
     unknown = _write(tmp_path, [{"model": "*", "hardware": "*", **base, "speed": 1}])
     with pytest.raises(CostFileError, match="unknown field.*speed"):
         load_cost_coefficients("m", "h", unknown)

@@ -34,6 +34,15 @@ def test_beta_is_five_seconds_of_one_gpu_prefill_in_tok_units() -> None:
     assert miss.beta_tokens == pytest.approx(p.beta_tokens * 429 / (32721 + 429))
 
 
+def test_sequence_cap_comes_from_the_cost_coefficients_unless_overridden() -> None:
+    from dataclasses import replace
+
+    c = replace(coefficients_for(V32, H800), max_seqs_per_decode_engine=18)
+    assert derive_scheduler_params(V32, H800, c).max_seqs_per_decode_engine == 18
+    free = derive_scheduler_params(V32, H800, c, max_seqs_per_decode_engine=0)
+    assert free.max_seqs_per_decode_engine == 0 and not free.is_de_full(10**6)
+
+
 def test_overrides_win_and_bad_values_name_the_field() -> None:
     p = derive_scheduler_params(V32, H800, alpha_tokens=7, beta_tokens=8, z_factor=1.2)
     assert (p.alpha_tokens, p.beta_tokens, p.z_factor) == (7, 8, 1.2)

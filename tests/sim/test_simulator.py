@@ -352,7 +352,8 @@ def test_sequence_cap_per_decode_engine_limits_concurrency_like_a_smaller_hbm() 
     cluster = _cluster(1, 1)
     wl = _agents(96, 2, append=200, gen=2000, first=30000)
     base = derive_scheduler_params(cluster.model, cluster.hardware,
-                                   coefficients_for(cluster.model, cluster.hardware))
+                                   coefficients_for(cluster.model, cluster.hardware),
+                                   max_seqs_per_decode_engine=0)
     free = _run(cluster, wl, "oracle", scheduler=base)
     capped = _run(cluster, wl, "oracle",
                   scheduler=base.with_overrides(max_seqs_per_decode_engine=6))
@@ -361,3 +362,6 @@ def test_sequence_cap_per_decode_engine_limits_concurrency_like_a_smaller_hbm() 
     assert capped.jct_s > 1.5 * free.jct_s
     breakdown = capped.summary()["ttft_breakdown_s"]
     assert isinstance(breakdown, dict) and breakdown["allocation"] > 1.0
+    # The cap of the cost coefficients (what calibration fits) reaches the scheduler the same way.
+    by_coeff = _run(cluster, wl, "oracle", cost_overrides=(("max_seqs_per_decode_engine", 6),))
+    assert by_coeff.jct_s == capped.jct_s

@@ -7,22 +7,23 @@ Two free parameters per model, each with its own signature in Fig. 7's Oracle co
   and decode-HBM efficiencies divided by k, capped at 1; the per-layer, per-MoE-layer and
   per-step overheads multiplied by k). It sets the latency of one agent's turns, which is what
   the light-load cells (512 agents) measure.
-- `hbm_reserve_fraction` r: the share of each GPU's HBM that holds neither weights nor KV. It
-  sets how many sequences a decode engine holds at once, which is what bounds Oracle's
-  throughput once the cluster is loaded (1,024 agents and up: JCT grows almost in proportion
-  to the agents there).
+- `max_seqs_per_decode_engine` c: the most sequences a decode engine holds at once (serving
+  systems' "max running requests"). It bounds Oracle's throughput once the cluster is loaded
+  (1,024 agents and up: JCT grows almost in proportion to the agents there). The HBM reserve
+  stays at its default (`CostCoefficients.hbm_reserve_fraction`), so HBM still limits a decode
+  engine when the cap does not.
 
-Oracle bypasses all I/O, so its JCT depends only on these and the scheduler. An earlier
-one-parameter fit (k alone) left residuals of +12% at light load and -14% at 1,024 agents, and
-its Oracle ran 36% faster than the paper's at 4,096 agents: no single speed factor gives both
-the paper's latency and its saturation. A prefill-vs-decode split of k was tried before that
-and dropped: Oracle barely depends on prefill speed at these sizes, so that fit was
-ill-conditioned.
+Oracle bypasses all I/O, so its JCT depends only on these and the scheduler. History, so the
+choice is not made again blind: a one-parameter fit (k alone) ran 36% faster than the paper's
+Oracle at 4,096 agents; fitting the HBM reserve instead of a cap (RMS log residual 0.147 DS
+660B, 0.115 DS 27B) bound long contexts harder than short ones, leaving the 32K column 19-22%
+too fast under load, while the paper's capacity depends less on context length, as a cap's does;
+a prefill-vs-decode split of k was ill-conditioned (Oracle barely depends on prefill speed).
 
 The fit is Levenberg-damped Gauss-Newton on log residuals `ln(sim / paper)` over
-`(ln k, ln(1 - r))`, with forward-difference Jacobians: a handful of simulator evaluations,
-each a batch of Oracle runs. It uses the 32K and 64K columns; the 48K column (read above a
-broken axis for DS 660B) stays out of sample.
+`(ln k, ln c)`, c rounded to an integer for each run, with forward-difference Jacobians: a
+handful of simulator evaluations, each a batch of Oracle runs. It uses the 32K and 64K
+columns; the 48K column (read above a broken axis for DS 660B) stays out of sample.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ from dualpath.experiments.runner import Runner, RunSpec
 from dualpath.experiments.setups import HARDWARE, setup
 from dualpath.sched.cost import CostCoefficients, default_cost_file, load_cost_coefficients
 
-PARAMS = ("gpu_time_scale", "hbm_reserve_fraction")
+PARAMS = ("gpu_time_scale", "max_seqs_per_decode_engine")
+
+START_CAP = 32
+"""Where the fit starts c when the packaged coefficients have no cap: a round value between
+the two DeepSeek models' decode capacities; the fit moves it by Gauss-Newton steps."""
+
+HBM_RESERVE_DEFAULT = 0.1
+"""The HBM reserve a capped fit uses (`CostCoefficients`' default)."""
 
 
 class CalibrationError(DualPathError, ValueError):
@@ -124,16 +132,20 @@ def fit_log_least_squares(
 
 
 def scaled_overrides(
-    base: CostCoefficients, gpu_time_scale: float, hbm_reserve_fraction: float | None = None
+    base: CostCoefficients, gpu_time_scale: float, hbm_reserve_fraction: float | None = None,
+    max_seqs_per_decode_engine: int | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """Cost overrides that make every GPU time `gpu_time_scale` times longer (efficiencies
-    capped at 1, so a speed-up beyond peak is clipped) and, if given, set the HBM reserve."""
+    capped at 1, so a speed-up beyond peak is clipped) and, if given, set the HBM reserve and
+    the sequence cap per decode engine."""
     k = gpu_time_scale
-    reserve: tuple[tuple[str, float], ...] = (
-        () if hbm_reserve_fraction is None else (("hbm_reserve_fraction", hbm_reserve_fraction),)
-    )
+    extra: list[tuple[str, float]] = []
+    if hbm_reserve_fraction is not None:
+        extra.append(("hbm_reserve_fraction", hbm_reserve_fraction))
+    if max_seqs_per_decode_engine is not None:
+        extra.append(("max_seqs_per_decode_engine", int(max_seqs_per_decode_engine)))
     return (
-        *reserve,
+        *extra,
         ("attention_efficiency", min(1.0, base.attention_efficiency / k)),
         ("linear_efficiency", min(1.0, base.linear_efficiency / k)),
         ("decode_hbm_efficiency", min(1.0, base.decode_hbm_efficiency / k)),
@@ -166,6 +178,7 @@ class Calibration:
     setup: str
     model: str
     gpu_time_scale: float
+    max_seqs_per_decode_engine: int
     hbm_reserve_fraction: float
     base: CostCoefficients
     fitted: CostCoefficients
@@ -193,31 +206,35 @@ def calibrate_setup(
             raise CalibrationError(f"no Fig. 7 Oracle value for {setup_name} {agents} agents {mal}")
         targets.append(p.jct_s["oracle"])
 
-    def params_of(x: Sequence[float]) -> tuple[float, float]:
-        return math.exp(x[0]), 1.0 - math.exp(x[1])
+    def params_of(x: Sequence[float]) -> tuple[float, int]:
+        return math.exp(x[0]), max(1, round(math.exp(x[1])))
 
-    def specs(x: Sequence[float]) -> list[RunSpec]:
-        ov = scaled_overrides(base, *params_of(x))
+    def specs(x: Sequence[float] | None) -> list[RunSpec]:
+        ov = () if x is None else scaled_overrides(base, params_of(x)[0], HBM_RESERVE_DEFAULT,
+                                                   params_of(x)[1])
         return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
                 for a, mal in cells]
 
-    def evaluate(x: Sequence[float]) -> list[float]:
+    def evaluate(x: Sequence[float] | None) -> list[float]:
         return [runner.run(sp).jct_s for sp in specs(x)]
 
-    x0 = (0.0, math.log(1.0 - base.hbm_reserve_fraction))
-    # Upper bounds: k <= 100, r >= 0 (ln(1 - r) <= 0).
-    trace = fit_log_least_squares(evaluate, targets, x0, (math.log(100.0), 0.0),
+    cap0 = base.max_seqs_per_decode_engine or START_CAP
+    x0 = (0.0, math.log(cap0))
+    # Upper bounds: k <= 100, c <= 4,096.
+    trace = fit_log_least_squares(evaluate, targets, x0, (math.log(100.0), math.log(4096.0)),
                                   num_iters=num_iters)
-    before = evaluate(x0)
+    before = evaluate(None)  # the packaged coefficients as they were
     after = evaluate(trace.x)
-    k, r = params_of(trace.x)
-    fitted = replace(base, **dict(scaled_overrides(base, k, r)))  # type: ignore[arg-type]
+    k, cap = params_of(trace.x)
+    fitted = replace(base, **dict(scaled_overrides(  # type: ignore[arg-type]
+        base, k, HBM_RESERVE_DEFAULT, cap)))
     out_cells = tuple(
         CellFit(a, mal, tgt, b, f)
         for (a, mal), tgt, b, f in zip(cells, targets, before, after, strict=True)
     )
-    return Calibration(setup_name, s.model, k, r, base, fitted, out_cells,
-                       trace.num_evals, trace.initial_rms, trace.rms)
+    rms_before = _rms([math.log(b / t) for b, t in zip(before, targets, strict=True)])
+    return Calibration(setup_name, s.model, k, cap, HBM_RESERVE_DEFAULT, base, fitted, out_cells,
+                       trace.num_evals, rms_before, trace.rms)
 
 
 def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:
@@ -233,6 +250,7 @@ def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:
             for name in ("per_layer_overhead_s", "moe_layer_overhead_s", "per_step_overhead_s"):
                 entry[name] = float(f"{getattr(cal.fitted, name):.4g}")
             entry["hbm_reserve_fraction"] = round(cal.fitted.hbm_reserve_fraction, 4)
+            entry["max_seqs_per_decode_engine"] = cal.fitted.max_seqs_per_decode_engine
             prior = entry.get("source", "").split(" || prior: ")[-1]
             entry["source"] = f"{note} || prior: {prior}"
             break
@@ -294,12 +312,17 @@ def calibration_section(ctx: Context) -> Section:
             "calibrate --write`), on the 32K and 64K columns; the 48K column is held out. "
             "`gpu_time_scale` k multiplies every GPU time of the cost model (efficiencies "
             "divided by k, fixed overheads multiplied by k): it sets one agent's latency, which "
-            "the 512-agent cells measure. `hbm_reserve_fraction` r is the share of each GPU's "
-            "HBM that holds neither weights nor KV: it sets how many sequences a decode engine "
-            "holds, which bounds Oracle's throughput once the cluster is loaded (1,024 agents "
-            "and up, where the paper's Oracle JCT grows almost in proportion to the agents). "
-            "Both land in `src/dualpath/data/cost_coefficients.json`, whose `source` notes "
-            "record the fit. Basic and DualPath are predictions.", ""]
+            "the 512-agent cells measure. `max_seqs_per_decode_engine` c is the most sequences "
+            "a decode engine holds at once (serving systems' \"max running requests\"; the "
+            "paper does not state one): it bounds Oracle's throughput once the cluster is "
+            "loaded (1,024 agents and up, where the paper's Oracle JCT grows almost in "
+            "proportion to the agents). The HBM reserve stays at its default 0.1, so HBM still "
+            "limits a decode engine where the cap does not. An earlier fit of the HBM reserve "
+            "in place of the cap left larger residuals (RMS log 0.147 and 0.115 on the fitted "
+            "cells): an HBM limit binds long contexts harder than short ones, and the paper's "
+            "capacity depends less on context length. Both parameters land in "
+            "`src/dualpath/data/cost_coefficients.json`, whose `source` notes record the fit. "
+            "Basic and DualPath are predictions.", ""]
     for name, rec in records.items():
         cells_rec = rec.get("cells", [])
         assert isinstance(cells_rec, list)
@@ -308,6 +331,9 @@ def calibration_section(ctx: Context) -> Section:
         reserve = rec.get("hbm_reserve_fraction")
         reserve_txt = (f", hbm_reserve_fraction {float(str(reserve)):.3f}"
                        if reserve is not None else "")
+        cap = rec.get("max_seqs_per_decode_engine")
+        if cap is not None:
+            reserve_txt = f", max_seqs_per_decode_engine {cap}{reserve_txt}"
         body += [f"**Fit record, {setup(name).label}:** gpu_time_scale "
                  f"{float(str(rec['gpu_time_scale'])):.3f}{reserve_txt} -> attention_efficiency "
                  f"{fitted.get('attention_efficiency', 0):.3f}, linear_efficiency "
@@ -321,7 +347,8 @@ def calibration_section(ctx: Context) -> Section:
                  f"{float(str(rec['rms_log_after'])):.3f} in {rec['num_evals']} evaluations, "
                  f"{float(str(rec['wall_s'])):.0f} s wall.", ""]
         body.append(md_table(
-            ["agents", "MAL", "paper Oracle s", "before fit s", "after fit s", "residual"],
+            ["agents", "MAL", "paper Oracle s", "packaged before fit s", "after fit s",
+             "residual"],
             [[c["agents"], c["mal"], fmt(c["paper_s"]), fmt(c["before_s"]), fmt(c["after_s"]),
               f"{100 * (c['after_s'] / c['paper_s'] - 1):+.1f}%"] for c in cells_rec]))
         body.append("")

@@ -38,7 +38,7 @@ from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.hardware import HardwareSpec
 from dualpath.core.model import ModelSpec
 from dualpath.core.pickling import pickle_by_fields
-from dualpath.core.validate import non_negative, positive
+from dualpath.core.validate import non_negative, non_negative_int, positive
 
 WILDCARD = "*"
 
@@ -71,7 +71,12 @@ class CostCoefficients:
     hbm_reserve_fraction: float = 0.1
     """Fraction of each GPU's HBM that holds neither weights nor KV: activations, CUDA graphs,
     communication buffers, fragmentation. It sets how many sequences a decode engine holds, the
-    decode batch, so it is fitted with the GPU times to the paper's Oracle at high load."""
+    decode batch. With no sequence cap it is what bounds Oracle's throughput at high load."""
+    max_seqs_per_decode_engine: int = 0
+    """Most sequences one decode engine holds at once, like serving systems' "max running
+    requests" (vLLM `max_num_seqs`, SGLang `max_running_requests`); 0: no cap, HBM alone limits.
+    Feeds `SchedulerParams.max_seqs_per_decode_engine`; fitted with the GPU times to the paper's
+    Oracle at high load (not a value the paper states)."""
     source: str = ""
     """Where the values come from, or what they were fitted to."""
 
@@ -88,6 +93,7 @@ class CostCoefficients:
         if self.hbm_reserve_fraction >= 1.0:
             raise SpecError(owner, "hbm_reserve_fraction", self.hbm_reserve_fraction,
                             "must be < 1")
+        non_negative_int(owner, "max_seqs_per_decode_engine", self.max_seqs_per_decode_engine)
         if not isinstance(self.is_fp8_linear, bool):
             raise SpecError(owner, "is_fp8_linear", self.is_fp8_linear, "must be true or false")
 
@@ -157,6 +163,10 @@ def load_cost_coefficients(
             if not values.get("source"):
                 raise CostFileError(f"{where}: entry {i} needs a 'source' note")
             try:
+                # Checked before construction: the compiled class's own type error for a
+                # non-integer would not name the field.
+                non_negative_int("cost_coefficients", "max_seqs_per_decode_engine",
+                                 values.get("max_seqs_per_decode_engine", 0))
                 return CostCoefficients(**values)
             except SpecError as exc:
                 raise CostFileError(f"{where}: entry {i}: {exc}") from None

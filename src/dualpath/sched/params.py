@@ -218,8 +218,9 @@ def derive_scheduler_params(
     model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients | None = None,
     **overrides: object,
 ) -> SchedulerParams:
-    """Paper-default parameters for this model and hardware; `overrides` replace any field
-    (an explicit `alpha_tokens` / `beta_tokens` skips its derivation)."""
+    """Paper-default parameters for this model and hardware, with the sequence cap of its cost
+    coefficients; `overrides` replace any field (an explicit `alpha_tokens` / `beta_tokens`
+    skips its derivation)."""
     coeffs = coeffs if coeffs is not None else coefficients_for(model, hw)
     overrides = {name: _checked_override(name, value) for name, value in overrides.items()}
     charge = overrides.get("pe_tok_charge", TokCharge.PROMPT)
@@ -230,6 +231,7 @@ def derive_scheduler_params(
         "beta_tokens": derive_beta_tokens(model, hw, coeffs, charge=charge,
                                           compute_quota_s=float(quota)),
         "kv_bytes_per_token": model.kv_bytes_per_token,
+        "max_seqs_per_decode_engine": coeffs.max_seqs_per_decode_engine,
     }
     fields.update(overrides)
     return SchedulerParams(**fields)  # type: ignore[arg-type]

@@ -103,8 +103,8 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
                               agent_divisor=8 if args.quick else 1)
         wall = time.perf_counter() - started
         records[name] = calibration_to_json(cal, wall)
-        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, hbm_reserve_fraction "
-              f"{cal.hbm_reserve_fraction:.3f}, RMS log residual "
+        print(f"{name}: gpu_time_scale {cal.gpu_time_scale:.3f}, max_seqs_per_decode_engine "
+              f"{cal.max_seqs_per_decode_engine}, RMS log residual "
               f"{cal.rms_log_before:.3f} -> "
               f"{cal.rms_log_after:.3f} ({cal.num_evals} evaluations, {wall:.0f} s)")
         for c in cal.cells:
@@ -114,8 +114,9 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
             note = (f"fitted to paper Fig. 7 {name} Oracle JCTs at (agents, MAL) "
                     f"{list(CALIBRATION_CELLS[name])} by `dualpath reproduce calibrate --write`: "
                     f"gpu_time_scale {cal.gpu_time_scale:.3f} (all GPU times x k) on the packaged "
-                    "values it started from and hbm_reserve_fraction "
-                    f"{cal.hbm_reserve_fraction:.3f} (HBM holding neither weights nor KV); "
+                    f"values it started from, max_seqs_per_decode_engine "
+                    f"{cal.max_seqs_per_decode_engine} (sequences per decode engine) and "
+                    f"hbm_reserve_fraction {cal.hbm_reserve_fraction:.3f} (the default); "
                     "residuals "
                     + ", ".join(f"{100 * c.residual:+.1f}%" for c in cal.cells))
             print(f"  wrote {write_fitted(cal, note)}")
