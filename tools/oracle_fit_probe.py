@@ -2,9 +2,9 @@
 
 A diagnostic for the next calibration, not part of `dualpath reproduce`: it runs the twelve
 Fig. 7 Oracle cells of a setup (512-4,096 agents at 32K, 64K and 48K) with every GPU time
-scaled by `--k` on the packaged coefficients, the HBM reserve set to `--reserve`, and, with
-`--cap`, at most that many sequences per decode engine
-(`SchedulerParams.max_seqs_per_decode_engine`). It prints the RMS log residual of the 32K and
+scaled by `--k` on the packaged coefficients, the HBM reserve set to `--reserve`, and at most
+`--cap` sequences per decode engine (`max_seqs_per_decode_engine`; 0: no cap; default: the
+packaged value). It prints the RMS log residual of the 32K and
 64K columns (the ones `reproduce calibrate` fits) and of the held-out 48K column, then each
 cell's residual.
 
@@ -22,7 +22,6 @@ from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.runner import RunSpec
 from dualpath.experiments.setups import HARDWARE, setup
 from dualpath.sched.cost import load_cost_coefficients
-from dualpath.sched.params import derive_scheduler_params
 from dualpath.sim import simulate
 
 
@@ -37,11 +36,11 @@ def main() -> None:
                     help="GPU-time scale on the packaged coefficients (default 1)")
     ap.add_argument("--reserve", type=float, default=None,
                     help="HBM reserve fraction (default: the packaged value)")
-    ap.add_argument("--cap", type=int, default=0,
-                    help="sequences per decode engine (default 0: no cap)")
+    ap.add_argument("--cap", type=int, default=None,
+                    help="sequences per decode engine, 0: no cap (default: the packaged value)")
     args = ap.parse_args()
     base = load_cost_coefficients(setup(args.setup).model, HARDWARE)
-    overrides = scaled_overrides(base, args.k, args.reserve)
+    overrides = scaled_overrides(base, args.k, args.reserve, args.cap)
     coeffs = replace(base, **dict(overrides))  # type: ignore[arg-type]
     # The cells `reproduce calibrate` fits, then the ones it holds out.
     fit_cells = CALIBRATION_CELLS.get(args.setup, ())
@@ -51,17 +50,15 @@ def main() -> None:
         if point is None or "oracle" not in point.jct_s:
             continue
         cfg = RunSpec(args.setup, "oracle", agents, mal, cost_overrides=overrides).config()
-        sched = derive_scheduler_params(cfg.cluster.model, cfg.cluster.hardware, coeffs)
-        if args.cap:
-            sched = sched.with_overrides(max_seqs_per_decode_engine=args.cap)
-        jct = simulate(replace(cfg, scheduler=sched)).jct_s
+        jct = simulate(cfg).jct_s
         paper = point.jct_s["oracle"]
         logs[(agents, mal) in fit_cells].append(math.log(jct / paper))
         print(f"  {agents:>5} agents {mal}: sim {jct:,.0f} s, paper {paper:,.0f} s "
               f"({100 * (jct / paper - 1):+.1f}%)", flush=True)
     fitted, held = logs[True], logs[False]
     print(f"{args.setup} k {args.k:g} reserve "
-          f"{coeffs.hbm_reserve_fraction:g} cap {args.cap}: RMS log residual {_rms(fitted):.3f} "
+          f"{coeffs.hbm_reserve_fraction:g} cap {coeffs.max_seqs_per_decode_engine}: "
+          f"RMS log residual {_rms(fitted):.3f} "
           f"(32K and 64K), {_rms(held):.3f} (48K, held out)")
 
 

@@ -19,16 +19,17 @@ These causes apply to every section; each section's tables show how large the di
    under `full/` (Fig. 7, ablation, advisor, the 64K online runs of DS 27B 1P1D and
    DeepSeek-V3.2 2P4D) use the fixed model and the refit coefficients; an older 32K DS 27B
    online run made before the fix was removed.
-3. **Two fitted parameters per model.** Calibration fits a GPU-time factor and the HBM reserve
-   (what each GPU keeps beside weights and KV) to the 32K and 64K Oracle columns of Fig. 7;
-   the 48K column is held out. The relative cost of prefill, decode and fixed overheads comes
-   from the roofline-style cost model, not from measurements of the paper's kernels. The
-   reserve stands in for whatever limited how many sequences the paper's decode engines held
-   (activations, CUDA graphs, expert-parallel buffers, a cap on running requests: the paper
-   states none of them). An HBM reserve limits long contexts more than short ones, so the fit
-   leaves our Oracle slower than the paper's at 64K and faster at 32K under load (see the
-   calibration residuals): the paper's decode capacity depends less on context length than an
-   HBM limit does, as a cap on running sequences would.
+3. **Two fitted parameters per model.** Calibration fits a GPU-time factor and a cap on the
+   sequences a decode engine holds at once (serving systems' "max running requests") to the
+   32K and 64K Oracle columns of Fig. 7; the 48K column is held out. The relative cost of
+   prefill, decode and fixed overheads comes from the roofline-style cost model, not from
+   measurements of the paper's kernels. The cap stands in for whatever limited how many
+   sequences the paper's decode engines held (a running-request limit, activations, CUDA
+   graphs, expert-parallel buffers: the paper states none of them); HBM, with the default 10%
+   reserve, still limits a decode engine where the cap does not. An earlier fit of the HBM
+   reserve in place of the cap bound long contexts harder than short ones and left our 32K
+   Oracle under load 19-22% faster than the paper's: the paper's decode capacity depends less
+   on context length than an HBM limit does.
 4. **Storage and network are idealized.** Storage NICs are the only storage limit (3FS without a
    DRAM cache saturates them, as the paper states); flows share links max-min fairly; the
    compute-NIC QoS is a 99:1 two-class split; there is no RDMA or PCIe contention model beyond

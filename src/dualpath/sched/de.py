@@ -12,7 +12,8 @@ Phase 2 (`de_group_fetch`), within the fetching group with engines E:
   with `tok + len(r) <= Z`, else to the minimum-`tok` DE (ties: lower engine id); that DE's
   seq, tok and free HBM are updated; the fetch ends when no DE has enough HBM for the head.
 - `SchedulerParams.max_seqs_per_decode_engine` > 0 (not in the paper) also rules out a DE that
-  holds that many sequences; R and Z still count HBM only.
+  holds that many sequences, and R then also stops at the group's free slots (what one fetch
+  can place at most), so Z counts only requests this fetch could admit.
 
 `len(r)` is `SchedulerParams.de_tok_charge` of r, the same amount it adds to `tok`.
 """
@@ -97,18 +98,23 @@ def de_global_drain_round_robin(
 
 
 def r_set(
-    queue: Iterable[WaitingRequest], total_free_hbm_bytes: int, params: SchedulerParams
+    queue: Iterable[WaitingRequest], total_free_hbm_bytes: int, params: SchedulerParams,
+    free_slots: int | None = None,
 ) -> tuple[list[WaitingRequest], int, int]:
     """(the FIFO-prefix candidates for placement, |R|, sum of len over R).
 
     The prefix is what the placement loop may reach: it stops at the first request that does
     not fit the remaining total, since placing per engine can never fit more than the total.
+    With a sequence cap, `free_slots` (the group's sequences still below the cap) also bounds
+    R: no more requests than that can be placed in this fetch.
     """
     free = total_free_hbm_bytes
     prefix: list[WaitingRequest] = []
     num_r, len_r = 0, 0
     in_prefix = True
     for r in queue:
+        if free_slots is not None and num_r >= free_slots:
+            break
         need = params.hbm_bytes(r)
         if need <= free:
             free -= need
@@ -155,7 +161,9 @@ def de_group_fetch(
     free = [r.free_hbm_bytes for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
-    candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params)
+    cap = params.max_seqs_per_decode_engine
+    slots = sum(max(0, cap - s) for s in seq) if cap > 0 else None
+    candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params, slots)
     z = params.z_factor * (len_r + sum(tok)) / n
     # tok only grows within a fetch and Z is fixed, so an engine above Z never becomes a
     # class-2 candidate again: keep candidates sorted by (seq, id) and the rest by (tok, id).
