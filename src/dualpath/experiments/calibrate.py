@@ -190,12 +190,13 @@ class Calibration:
 
 def calibrate_setup(
     runner: Runner, setup_name: str, cells: Sequence[tuple[int, str]],
-    *, num_iters: int = 2, agent_divisor: int = 1,
+    *, num_iters: int = 2, agent_divisor: int = 1, start_cap: int | None = None,
 ) -> Calibration:
     """Fit `setup_name`'s model to the paper's Fig. 7 Oracle JCTs at `cells` (agents, MAL).
 
     `agent_divisor > 1` runs every cell with that many times fewer agents against the same
     paper value (a quick smoke run; its fit is not meaningful for the paper's sizes).
+    The cap starts at `start_cap`, else the packaged cap, else `START_CAP`.
     """
     s = setup(setup_name)
     base = load_cost_coefficients(s.model, HARDWARE)
@@ -218,7 +219,7 @@ def calibrate_setup(
     def evaluate(x: Sequence[float] | None) -> list[float]:
         return [runner.run(sp).jct_s for sp in specs(x)]
 
-    cap0 = base.max_seqs_per_decode_engine or START_CAP
+    cap0 = start_cap or base.max_seqs_per_decode_engine or START_CAP
     x0 = (0.0, math.log(cap0))
     # Upper bounds: k <= 100, c <= 4,096.
     trace = fit_log_least_squares(evaluate, targets, x0, (math.log(100.0), math.log(4096.0)),

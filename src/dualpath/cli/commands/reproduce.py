@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "--agents 2048)")
     p.add_argument("--write", action="store_true",
                    help="calibrate: store the fitted coefficients in the packaged cost file")
+    p.add_argument("--start-cap", type=int, default=0, metavar="N",
+                   help="calibrate: start the sequence-cap fit at N per decode engine "
+                   "(default: the packaged cap, else 32)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     p.set_defaults(func=run)
 
@@ -87,6 +90,8 @@ def _logger(quiet: bool) -> Runner:
 
 
 def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
+    if args.start_cap < 0:
+        raise ReproduceArgsError(f"--start-cap={args.start_cap}: must be >= 1")
     if args.quick and args.write:
         raise ReproduceArgsError("--write with --quick: a scaled-down fit must not replace the "
                                  "packaged coefficients")
@@ -99,6 +104,7 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
                                      f"valid: {', '.join(CALIBRATION_CELLS)}")
         started = time.perf_counter()
         cal = calibrate_setup(ctx.runner, name, CALIBRATION_CELLS[name],
+                              start_cap=args.start_cap or None,
                               num_iters=1 if args.quick else 3,
                               agent_divisor=8 if args.quick else 1)
         wall = time.perf_counter() - started
