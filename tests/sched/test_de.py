@@ -171,6 +171,9 @@ def test_sequence_cap_rules_out_full_engines_in_both_policies() -> None:
     queue = [req(i) for i in range(3)]
     assert len(engines(de_group_fetch(queue, reports, params()))) == 3
     assert engines(de_group_fetch(queue, reports, params(max_seqs_per_decode_engine=2))) == [1]
+    # R (and so Z) counts only what the free slots can take: one here, three without a cap.
+    assert de_group_fetch(queue, reports, params(max_seqs_per_decode_engine=2)).num_r_set == 1
+    assert de_group_fetch(queue, reports, params()).num_r_set == 3
     f, _ = de_group_fetch_round_robin(queue, reports, params(max_seqs_per_decode_engine=3))
     assert engines(f) == [0, 1, 1]  # engine 0 reaches 3 after one, engine 1 after two
     f, _ = de_group_fetch_round_robin(queue, reports, params(max_seqs_per_decode_engine=2))
