@@ -89,6 +89,7 @@ def test_cli_reproduce_and_bad_names(tmp_path: Path) -> None:
     assert main(["reproduce", "fig99", "--out", str(out)]) == 2
     assert main(["reproduce", "fig7", "--mal", "99k", "--out", str(out)]) == 2
     assert main(["reproduce", "calibrate", "--quick", "--write", "--out", str(out)]) == 2
+    assert main(["reproduce", "calibrate", "--start-cap", "-2", "--out", str(out)]) == 2
     assert main(["reproduce", "table3", "--scale-out", "1", "--out", str(out)]) == 2
 
 

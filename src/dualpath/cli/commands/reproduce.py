@@ -91,7 +91,8 @@ def _logger(quiet: bool) -> Runner:
 
 def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
     if args.start_cap < 0:
-        raise ReproduceArgsError(f"--start-cap={args.start_cap}: must be >= 1")
+        raise ReproduceArgsError(f"--start-cap={args.start_cap}: must be >= 1 "
+                                 "(0: the packaged cap)")
     if args.quick and args.write:
         raise ReproduceArgsError("--write with --quick: a scaled-down fit must not replace the "
                                  "packaged coefficients")
