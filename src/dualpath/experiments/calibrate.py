@@ -43,7 +43,12 @@ from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.report import Context, Section, fmt, md_table, write_csv
 from dualpath.experiments.runner import Runner, RunSpec
 from dualpath.experiments.setups import HARDWARE, setup
-from dualpath.sched.cost import CostCoefficients, default_cost_file, load_cost_coefficients
+from dualpath.sched.cost import (
+    DEFAULT_HBM_RESERVE_FRACTION,
+    CostCoefficients,
+    default_cost_file,
+    load_cost_coefficients,
+)
 
 PARAMS = ("gpu_time_scale", "max_seqs_per_decode_engine")
 
@@ -51,8 +56,6 @@ START_CAP = 32
 """Where the fit starts c when the packaged coefficients have no cap: a round value between
 the two DeepSeek models' decode capacities; the fit moves it by Gauss-Newton steps."""
 
-HBM_RESERVE_DEFAULT = 0.1
-"""The HBM reserve a capped fit uses (`CostCoefficients`' default)."""
 
 
 class CalibrationError(DualPathError, ValueError):
@@ -211,8 +214,8 @@ def calibrate_setup(
         return math.exp(x[0]), max(1, round(math.exp(x[1])))
 
     def specs(x: Sequence[float] | None) -> list[RunSpec]:
-        ov = () if x is None else scaled_overrides(base, params_of(x)[0], HBM_RESERVE_DEFAULT,
-                                                   params_of(x)[1])
+        ov = () if x is None else scaled_overrides(
+            base, params_of(x)[0], DEFAULT_HBM_RESERVE_FRACTION, params_of(x)[1])
         return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
                 for a, mal in cells]
 
@@ -228,14 +231,14 @@ def calibrate_setup(
     after = evaluate(trace.x)
     k, cap = params_of(trace.x)
     fitted = replace(base, **dict(scaled_overrides(  # type: ignore[arg-type]
-        base, k, HBM_RESERVE_DEFAULT, cap)))
+        base, k, DEFAULT_HBM_RESERVE_FRACTION, cap)))
     out_cells = tuple(
         CellFit(a, mal, tgt, b, f)
         for (a, mal), tgt, b, f in zip(cells, targets, before, after, strict=True)
     )
     rms_before = _rms([math.log(b / t) for b, t in zip(before, targets, strict=True)])
-    return Calibration(setup_name, s.model, k, cap, HBM_RESERVE_DEFAULT, base, fitted, out_cells,
-                       trace.num_evals, rms_before, trace.rms)
+    return Calibration(setup_name, s.model, k, cap, DEFAULT_HBM_RESERVE_FRACTION, base, fitted,
+                       out_cells, trace.num_evals, rms_before, trace.rms)
 
 
 def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:

@@ -47,6 +47,10 @@ class CostFileError(DualPathError, ValueError):
     """A cost-coefficient file that cannot be read or holds an invalid entry."""
 
 
+DEFAULT_HBM_RESERVE_FRACTION = 0.1
+"""`CostCoefficients.hbm_reserve_fraction` unless a cost entry sets it."""
+
+
 @dataclass(frozen=True)
 class CostCoefficients:
     """Fitted efficiencies and overheads of one (model, hardware) pair. Frozen, validated.
@@ -68,7 +72,7 @@ class CostCoefficients:
     """Fixed time per MoE layer per forward pass (expert-parallel dispatch + combine)."""
     is_fp8_linear: bool = True
     """Linear layers run on FP8 tensor cores (DeepSeek) rather than BF16."""
-    hbm_reserve_fraction: float = 0.1
+    hbm_reserve_fraction: float = DEFAULT_HBM_RESERVE_FRACTION
     """Fraction of each GPU's HBM that holds neither weights nor KV: activations, CUDA graphs,
     communication buffers, fragmentation. It sets how many sequences a decode engine holds, the
     decode batch. With no sequence cap it is what bounds Oracle's throughput at high load."""
