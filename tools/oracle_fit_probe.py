@@ -17,16 +17,17 @@ import argparse
 import math
 from dataclasses import replace
 
-from dualpath.experiments.calibrate import CALIBRATION_CELLS, HOLDOUT_CELLS, scaled_overrides
+from dualpath.experiments.calibrate import (
+    CALIBRATION_CELLS,
+    HOLDOUT_CELLS,
+    rms_of,
+    scaled_overrides,
+)
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.runner import RunSpec
 from dualpath.experiments.setups import HARDWARE, setup
 from dualpath.sched.cost import load_cost_coefficients
 from dualpath.sim import simulate
-
-
-def _rms(values: list[float]) -> float:
-    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
 
 
 def main() -> None:
@@ -58,8 +59,8 @@ def main() -> None:
     fitted, held = logs[True], logs[False]
     print(f"{args.setup} k {args.k:g} reserve "
           f"{coeffs.hbm_reserve_fraction:g} cap {coeffs.max_seqs_per_decode_engine}: "
-          f"RMS log residual {_rms(fitted):.3f} "
-          f"(32K and 64K), {_rms(held):.3f} (48K, held out)")
+          f"RMS log residual {rms_of(fitted):.3f} "
+          f"(32K and 64K), {rms_of(held):.3f} (48K, held out)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def test_sequence_cap_comes_from_the_cost_coefficients_unless_overridden() -> No
     assert derive_scheduler_params(V32, H800, c).max_seqs_per_decode_engine == 18
     free = derive_scheduler_params(V32, H800, c, max_seqs_per_decode_engine=0)
     assert free.max_seqs_per_decode_engine == 0 and not free.is_de_full(10**6)
+    capped = derive_scheduler_params(V32, H800, c)
+    assert capped.free_de_slots([3, 20, 10]) == 15 + 0 + 8
+    assert free.free_de_slots([3, 20, 10]) is None
 
 
 def test_overrides_win_and_bad_values_name_the_field() -> None:

@@ -75,14 +75,15 @@ class FitTrace:
 
     @property
     def rms(self) -> float:
-        return _rms(self.residuals)
+        return rms_of(self.residuals)
 
     @property
     def initial_rms(self) -> float:
-        return _rms(self.initial_residuals)
+        return rms_of(self.initial_residuals)
 
 
-def _rms(r: Sequence[float]) -> float:
+def rms_of(r: Sequence[float]) -> float:
+    """Root mean square of `r` (0 for none)."""
     return math.sqrt(sum(v * v for v in r) / len(r)) if r else 0.0
 
 
@@ -214,8 +215,10 @@ def calibrate_setup(
         return math.exp(x[0]), max(1, round(math.exp(x[1])))
 
     def specs(x: Sequence[float] | None) -> list[RunSpec]:
-        ov = () if x is None else scaled_overrides(
-            base, params_of(x)[0], DEFAULT_HBM_RESERVE_FRACTION, params_of(x)[1])
+        ov: tuple[tuple[str, float], ...] = ()
+        if x is not None:
+            k, cap = params_of(x)
+            ov = scaled_overrides(base, k, DEFAULT_HBM_RESERVE_FRACTION, cap)
         return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
                 for a, mal in cells]
 
@@ -236,7 +239,7 @@ def calibrate_setup(
         CellFit(a, mal, tgt, b, f)
         for (a, mal), tgt, b, f in zip(cells, targets, before, after, strict=True)
     )
-    rms_before = _rms([math.log(b / t) for b, t in zip(before, targets, strict=True)])
+    rms_before = rms_of([math.log(b / t) for b, t in zip(before, targets, strict=True)])
     return Calibration(setup_name, s.model, k, cap, DEFAULT_HBM_RESERVE_FRACTION, base, fitted,
                        out_cells, trace.num_evals, rms_before, trace.rms)
 

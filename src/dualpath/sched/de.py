@@ -161,9 +161,8 @@ def de_group_fetch(
     free = [r.free_hbm_bytes for r in reports]
     read_q = read_queues_by_node(reports, read_q_tokens_by_node)
     decide_q = read_q if params.update_read_q_within_fetch else dict(read_q)
-    cap = params.max_seqs_per_decode_engine
-    slots = sum(max(0, cap - s) for s in seq) if cap > 0 else None
-    candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params, slots)
+    candidates, num_r, len_r = r_set(private_queue, sum(max(0, f) for f in free), params,
+                                     params.free_de_slots(seq))
     z = params.z_factor * (len_r + sum(tok)) / n
     # tok only grows within a fetch and Z is fixed, so an engine above Z never becomes a
     # class-2 candidate again: keep candidates sorted by (seq, id) and the rest by (tok, id).

@@ -27,6 +27,7 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -144,6 +145,11 @@ class SchedulerParams:
         """A decode engine holding `num_seqs` sequences takes no more (the optional cap)."""
         cap = self.max_seqs_per_decode_engine
         return cap > 0 and num_seqs >= cap
+
+    def free_de_slots(self, num_seqs: Iterable[int]) -> int | None:
+        """Sequences engines holding `num_seqs` can still take under the cap; None: no cap."""
+        cap = self.max_seqs_per_decode_engine
+        return sum(max(0, cap - n) for n in num_seqs) if cap > 0 else None
 
     def hbm_bytes(self, r: WaitingRequest) -> int:
         """HBM a decode engine must reserve for `r` (see `hbm_need`)."""
