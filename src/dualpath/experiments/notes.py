@@ -23,7 +23,10 @@ These causes apply to every section; each section's tables show how large the di
    sequences a decode engine holds at once (serving systems' "max running requests") to the
    32K and 64K Oracle columns of Fig. 7; the 48K column is held out. The relative cost of
    prefill, decode and fixed overheads comes from the roofline-style cost model, not from
-   measurements of the paper's kernels. The cap stands in for whatever limited how many
+   measurements of the paper's kernels; section `fig3` shows one consequence: a prefill pass's
+   fixed cost is a far smaller share of a small pass than the paper's Fig. 3 implies, so
+   batching raises our prefill throughput much less (the calibrated passes are unaffected).
+   The cap stands in for whatever limited how many
    sequences the paper's decode engines held (a running-request limit, activations, CUDA
    graphs, expert-parallel buffers: the paper states none of them); HBM, with the default 10%
    reserve, still limits a decode engine where the cap does not. An earlier fit of the HBM
