@@ -24,6 +24,7 @@ could otherwise wait on each other.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -50,6 +51,7 @@ from dualpath.runtime.messages import (
     Shutdown,
     Submitted,
     TurnDone,
+    TurnTokens,
 )
 from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
@@ -329,6 +331,12 @@ class Cluster:
         config = model_config(cfg.model)
         self.vocab_size: int = config.vocab_size
         self.layout: KVLayout = config.kv_layout(cfg.block_size)
+        self.max_position_tokens: int = config.max_position_tokens
+        # The driver looks up each prompt's cache hit (what `WaitingRequest` carries); the
+        # scheduler process decides everything else.
+        self._store = BlockStore(cfg.store_root, self.layout.full_block_bytes, is_durable=False)
+        self._request_ids = itertools.count()
+        self._lock = threading.Lock()
         self._prefix = f"dp{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
         self._procs: list[Any] = []
         self._is_closed = False
@@ -456,38 +464,19 @@ class Cluster:
     ) -> RunResult:
         """Replay `agents` (all start at once, offline batch) until every turn is done."""
         cfg = self.cfg
-        # The driver looks up each prompt's cache hit (what `WaitingRequest` carries); the
-        # scheduler process decides everything else.
-        store = BlockStore(cfg.store_root, self.layout.full_block_bytes, is_durable=False)
         contexts = {a.agent_id: [] for a in agents}  # type: dict[int, list[int]]
         next_turn = {a.agent_id: 0 for a in agents}
         by_agent = {a.agent_id: a for a in agents}
         in_flight: dict[int, TurnRecord] = {}
         records: list[TurnRecord] = []
         outputs: dict[int, list[tuple[int, ...]]] = {a.agent_id: [] for a in agents}
-        request_ids = iter(range(1 << 62))
-        bs = cfg.block_size
 
         def submit(agent: AgentScript) -> None:
             k = next_turn[agent.agent_id]
             prompt = contexts[agent.agent_id] + list(agent.appends[k])
-            keys = block_keys(prompt, bs)
-            # At least one token must be computed (its logits are the prefill's output).
-            num_hit = min(store.longest_prefix(keys), (len(prompt) - 1) // bs)
-            if not cfg.is_cache_enabled:
-                num_hit = 0
-            rid = next(request_ids)
-            self._sched_q.put(
-                Submitted(
-                    request=WaitingRequest(rid, len(prompt), num_hit * bs, agent.gen_tokens[k]),
-                    token_ids=tuple(prompt),
-                    block_keys=tuple(keys),
-                    temperature=cfg.temperature,
-                    sample_seed=cfg.seed * 1_000_003 + rid,
-                )
-            )
+            rid, hit = self.submit(prompt, agent.gen_tokens[k])
             in_flight[rid] = TurnRecord(
-                agent.agent_id, k, rid, len(prompt), num_hit * bs, (), time.time(), 0.0, 0.0
+                agent.agent_id, k, rid, len(prompt), hit, (), time.time(), 0.0, 0.0
             )
 
         started_at = time.time()
@@ -516,6 +505,83 @@ class Cluster:
         return RunResult(
             cfg, records, nodes, started_at, finished_at, self._num_fetches, outputs
         )
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + generation one request may have: a DE's engine memory and
+        the model's positions bound it."""
+        lay, cfg = self.layout, self.cfg
+        pages = max(1, cfg.hbm_bytes // lay.full_block_bytes)
+        return min(self.max_position_tokens, pages * cfg.block_size)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a node buffer holds whole (one slot per block); a longer one
+        fails the node that reads it."""
+        return (self.cfg.buffer_bytes // self.layout.full_block_bytes) * self.cfg.block_size
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        temperature: float | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        is_ignore_eos: bool = True,
+        is_streaming: bool = False,
+    ) -> tuple[int, int]:
+        """Submit one turn (thread-safe); returns `(request id, cache-hit tokens)`. Its
+        `TurnDone` (and, if streaming, `TurnTokens`) come from `next_message`.
+
+        The hit is the longest stored prefix of whole blocks, short of the last token (whose
+        logits the prefill must compute). Defaults: the run's temperature and a seed derived
+        from the run's seed and the request id. SpecError names a field that could never be
+        served (more tokens than a DE's memory or the model's positions: the request would
+        wait forever). A prompt longer than `max_prompt_tokens` fails its node
+        (`BufferFullError`); a server checks it first.
+        """
+        cfg = self.cfg
+        if not prompt:
+            raise SpecError("request", "prompt", 0, "needs at least one token")
+        positive_int("request", "max_tokens", max_tokens)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise SpecError("request", "prompt", bad,
+                            f"token ids must be in [0, {self.vocab_size})")
+        if len(prompt) + max_tokens > self.max_sequence_tokens:
+            raise SpecError("request", "max_tokens", max_tokens,
+                            f"prompt ({len(prompt)}) + max_tokens exceeds the "
+                            f"{self.max_sequence_tokens} tokens one sequence may hold")
+        bs = cfg.block_size
+        keys = block_keys(prompt, bs)
+        num_hit = 0
+        if cfg.is_cache_enabled:
+            num_hit = min(self._store.longest_prefix(keys), (len(prompt) - 1) // bs)
+        with self._lock:
+            rid = next(self._request_ids)
+        self._sched_q.put(
+            Submitted(
+                request=WaitingRequest(rid, len(prompt), num_hit * bs, max_tokens),
+                token_ids=tuple(prompt),
+                block_keys=tuple(keys),
+                temperature=cfg.temperature if temperature is None else temperature,
+                sample_seed=cfg.seed * 1_000_003 + rid if seed is None else seed,
+                top_p=top_p,
+                is_ignore_eos=is_ignore_eos,
+                is_streaming=is_streaming,
+            )
+        )
+        return rid, num_hit * bs
+
+    def next_message(self, timeout_s: float) -> TurnDone | TurnTokens | None:
+        """The next `TurnDone` or `TurnTokens`, or None after `timeout_s`; RunError when a
+        node or the scheduler failed (one consumer at a time)."""
+        while True:
+            msg = self._get(timeout_s, is_timeout_ok=True)
+            if msg is None or isinstance(msg, TurnDone | TurnTokens):
+                return msg
+            raise RunError(f"driver: unexpected message {type(msg).__name__}")
 
     def close(self, timeout_s: float = 30.0) -> list[NodeStats]:
         """Stop every node, then the scheduler; returns the nodes' counters (those that

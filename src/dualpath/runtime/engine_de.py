@@ -13,7 +13,8 @@ Per request (paper Fig. 4 and §4 "decode phase"):
 3. It decodes in a batch with its other sequences; every time a sequence completes a Full
    Block, the block is copied out of engine memory (D2H through the compute NIC) into a buffer
    slot and persisted. `TurnDone` is sent once the request's blocks are all stored, so the
-   agent's next turn finds them.
+   agent's next turn finds them. A streaming request also gets each step's new tokens at once
+   (`TurnTokens`); a request that does not ignore EOS ends at its first EOS token.
 
 Block-state invariant: each block of the request is in exactly one of "in the DE buffer",
 "in DE engine memory" (+ "being persisted" from a buffer slot) at a time; a slot is freed only
@@ -38,6 +39,7 @@ from dualpath.runtime.messages import (
     Message,
     PrefillDone,
     TurnDone,
+    TurnTokens,
 )
 from dualpath.runtime.model import DecodeSequence, KVCache, SamplingParams
 from dualpath.runtime.node import NodeContext, ReadJob
@@ -52,6 +54,8 @@ class _DeRequest:
     seq: DecodeSequence | None = None
     num_persisted_blocks: int = 0
     first_token_at: float = 0.0
+    num_streamed: int = 0
+    """Generated tokens already reported (`TurnTokens`, streaming requests only)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -181,8 +185,9 @@ class DecodeEngine:
         params = SamplingParams(
             max_tokens=task.max_tokens,
             temperature=task.temperature,
+            top_p=task.top_p,
             seed=task.sample_seed,
-            is_ignore_eos=True,
+            is_ignore_eos=task.is_ignore_eos,
         )
         seq = DecodeSequence(task.request_id, list(task.token_ids), n, params)
         seq.append(done.first_token, self.model.config.eos_token_ids)
@@ -202,6 +207,7 @@ class DecodeEngine:
         with self._cond:
             req.seq = seq
             self._active.append(req)
+        self._stream(req)
         if seq.is_finished:
             self._finish(req)
 
@@ -213,9 +219,21 @@ class DecodeEngine:
         self.model.decode_step(seqs, self.cache)
         for req in list(self._active):
             self._persist_completed(req)
+            self._stream(req)
             assert req.seq is not None
             if req.seq.is_finished:
                 self._finish(req)
+
+    def _stream(self, req: _DeRequest) -> None:
+        """A streaming request's tokens since its last report, sent on at once (its
+        `TurnDone` waits for persistence; these do not)."""
+        seq = req.seq
+        if not req.task.is_streaming or seq is None:
+            return
+        out = seq.output_ids
+        if len(out) > req.num_streamed:
+            self.ctx.send(None, TurnTokens(req.task.request_id, tuple(out[req.num_streamed:])))
+            req.num_streamed = len(out)
 
     def _persist_completed(self, req: _DeRequest) -> None:
         """Copy every newly completed Full Block out of engine memory and queue its write."""

@@ -255,7 +255,8 @@ class PrefillEngine:
             if not c.entry.is_chunk:
                 task = c.req.task
                 sampling = SamplingParams(
-                    max_tokens=task.max_tokens, temperature=task.temperature, seed=task.sample_seed
+                    max_tokens=task.max_tokens, temperature=task.temperature,
+                    top_p=task.top_p, seed=task.sample_seed,
                 )
                 first_tokens[id(c)] = sample_token(self.model.finish_prefill(c.state), sampling, 0)
         # The next chunk of a request gathers this chunk's KV from the slots: wait for it.

@@ -12,8 +12,9 @@ Request flow (PE engine p on prefill node A, DE engine d on decode node B):
     scheduler -> B  Fetched(decode=[DecodeTask])       reply to B's Fetch
     B -> A          DeBufferReady                      DE buffer slots allocated, DE reads done
     A -> B          PrefillDone                        all prompt KV in B's buffer + first token
+    B -> scheduler  TurnTokens                         (streaming requests) each step's new tokens
     B -> scheduler  TurnDone                           generated tokens, timings, byte counts
-    scheduler -> driver  TurnDone                      forwarded (the driver submits the next turn)
+    scheduler -> driver  TurnTokens, TurnDone          forwarded (the driver submits the next turn)
 
 The scheduler is its own process (`scheduler.serve_scheduler`): nodes send it everything they
 address to "the scheduler" (fetches, TurnDone, NodeUp, NodeStats, NodeFailed); it forwards to
@@ -48,6 +49,11 @@ class Submitted:
     block_keys: tuple[bytes, ...]
     temperature: float
     sample_seed: int
+    top_p: float = 1.0
+    is_ignore_eos: bool = True
+    """Generate exactly `request.gen_tokens` tokens (agent replay); False stops at an EOS."""
+    is_streaming: bool = False
+    """The DE reports each decode step's new tokens (`TurnTokens`) before `TurnDone`."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class PrefillTask:
     max_tokens: int
     temperature: float
     sample_seed: int
+    top_p: float = 1.0
+    is_ignore_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class DecodeTask:
     max_tokens: int
     temperature: float
     sample_seed: int
+    top_p: float = 1.0
+    is_ignore_eos: bool = True
+    is_streaming: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,15 @@ class PrefillDone:
     """Blocks whose KV came from storage; the DE persists the prompt's full blocks after it."""
     prefill_started_at: float
     prefill_done_at: float
+
+
+@dataclass(frozen=True)
+class TurnTokens:
+    """A streaming request's tokens generated since its last report (DE -> scheduler ->
+    driver); `TurnDone` still follows with all of them."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -214,6 +234,7 @@ Message = (
     | DecodeTask
     | DeBufferReady
     | PrefillDone
+    | TurnTokens
     | TurnDone
     | NodeStats
     | RemoteCharge

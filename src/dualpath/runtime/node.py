@@ -152,6 +152,17 @@ def build_model(source: ModelSource) -> Any:
     return weights.load_checkpoint(Path(source.path))
 
 
+def model_tokenizer(source: ModelSource) -> Any:
+    """The `Tokenizer` of `source`: the checkpoint's own, or byte-level for `tiny`."""
+    from dualpath.runtime import weights
+    from dualpath.runtime.tokenizer import Tokenizer
+
+    if source.kind == "tiny":
+        return Tokenizer.byte_level(weights.tiny_config().vocab_size)
+    folder = weights.smollm2_folder() if source.kind == "smollm2" else Path(source.path)
+    return weights.load_tokenizer(folder)
+
+
 def model_config(source: ModelSource) -> Any:
     """The `ModelConfig` of `source` without loading weights (what the driver needs)."""
     from dualpath.runtime import weights

@@ -42,6 +42,7 @@ from dualpath.runtime.messages import (
     Shutdown,
     Submitted,
     TurnDone,
+    TurnTokens,
 )
 from dualpath.sched import (
     de_global_drain,
@@ -268,6 +269,8 @@ class RuntimeScheduler:
             max_tokens=turn.request.gen_tokens,
             temperature=turn.temperature,
             sample_seed=turn.sample_seed,
+            top_p=turn.top_p,
+            is_ignore_eos=turn.is_ignore_eos,
         )
 
     def _decode_task(
@@ -284,6 +287,9 @@ class RuntimeScheduler:
             max_tokens=turn.request.gen_tokens,
             temperature=turn.temperature,
             sample_seed=turn.sample_seed,
+            top_p=turn.top_p,
+            is_ignore_eos=turn.is_ignore_eos,
+            is_streaming=turn.is_streaming,
         )
 
 
@@ -316,7 +322,8 @@ def serve_scheduler(
 ) -> None:
     """The scheduler process (or thread): serve until `Shutdown`, then send `SchedulerStats`.
 
-    Messages in: `Submitted` (driver), `Fetch` (group leaders), `TurnDone` (DE nodes), and the
+    Messages in: `Submitted` (driver), `Fetch` (group leaders), `TurnDone` and `TurnTokens` (DE
+    nodes), and the
     nodes' `NodeUp` / `NodeStats` / `NodeFailed`, which go on to the driver. A fetch that finds
     no work is parked and retried whenever something changes, and answered empty after
     `max_park_s` so the node's report stays fresh: fetches stay pull-based without the nodes
@@ -363,7 +370,7 @@ def _serve(
         elif isinstance(msg, TurnDone):
             sched.finished(msg.request_id)
             driver.put(msg)
-        elif isinstance(msg, NodeUp | NodeStats | NodeFailed):
+        elif isinstance(msg, TurnTokens | NodeUp | NodeStats | NodeFailed):
             driver.put(msg)
         elif msg is not None:
             raise RuntimeError(f"scheduler: unexpected message {type(msg).__name__}")

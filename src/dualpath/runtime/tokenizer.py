@@ -64,6 +64,24 @@ class Tokenizer:
     ) -> list[int]:
         return self.encode(self.chat_text(messages, add_generation_prompt))
 
+    @classmethod
+    def byte_level(cls, vocab_size: int) -> Tokenizer:
+        """One token per UTF-8 byte (ids 1-256), `<|endoftext|>` (EOS) at 0 and the ChatML
+        markers at 257-258: text round-trips through any model with at least 259 ids (the
+        runtime's random-weight `tiny` model, whose output is noise)."""
+        if vocab_size < 259:
+            raise TokenizerError(f"a byte-level tokenizer needs vocab_size >= 259, got "
+                                 f"{vocab_size}")
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 characters, one per byte
+        vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(alphabet)},
+                 "<|im_start|>": 257, "<|im_end|>": 258}
+        inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        inner.decoder = decoders.ByteLevel()
+        inner.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+        return cls(inner, (0,))
+
     # -- files -----------------------------------------------------------------------------
     def save(self, folder: Path | str) -> Path:
         """Write `tokenizer.json` into `folder` (eos ids go into the model's config.json)."""

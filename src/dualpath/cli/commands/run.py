@@ -37,16 +37,57 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="all",
         help="mode to run (default: all three, each on an empty store)",
     )
+    add_cluster_arguments(p)
+    w = p.add_argument_group("workload (scaled-down synthetic trajectories)")
+    w.add_argument("--workload", default="32k", help="synthetic preset: 32k, 48k, 64k")
+    w.add_argument(
+        "--trajectories",
+        metavar="FILE",
+        help="replay this trajectory JSONL file (first --agents trajectories, scaled and "
+        "truncated the same way) instead of synthetic ones",
+    )
+    w.add_argument("--agents", type=int, default=8, help="agents (trajectories) to replay")
+    w.add_argument(
+        "--max-len",
+        type=int,
+        default=1536,
+        metavar="TOKENS",
+        help="MAL: truncate each trajectory at this many tokens",
+    )
+    w.add_argument(
+        "--append-scale", type=float, default=0.25, help="multiply every appended length by this"
+    )
+    w.add_argument(
+        "--gen-scale", type=float, default=0.05, help="multiply every generated length by this"
+    )
+    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    w.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--store", metavar="DIR", help="block store root (default: a fresh temp folder per mode)"
+    )
+    o.add_argument("--json", action="store_true", help="print the results as JSON")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def add_cluster_arguments(
+    p: argparse.ArgumentParser, model: str = "tiny", prefill_nodes: int = 1,
+    decode_nodes: int = 2, buffer_help: str = "DRAM buffer per node, MiB (default: the "
+    "preset's, raised so that every agent's longest prompt fits at once)",
+) -> None:
+    """The emulated cluster's options (`dualpath run` and `dualpath serve`); `_config` reads
+    them."""
     g = p.add_argument_group("model and cluster")
     g.add_argument(
         "--model",
-        default="tiny",
+        default=model,
         help="tiny (random weights), smollm2, or a local Llama/Qwen2 checkpoint "
         "folder (default: %(default)s)",
     )
     g.add_argument("--model-seed", type=int, default=0, help="seed of the tiny model")
-    g.add_argument("--prefill-nodes", type=int, default=1, metavar="P")
-    g.add_argument("--decode-nodes", type=int, default=2, metavar="D")
+    g.add_argument("--prefill-nodes", type=int, default=prefill_nodes, metavar="P")
+    g.add_argument("--decode-nodes", type=int, default=decode_nodes, metavar="D")
     g.add_argument(
         "--hardware",
         default="cpu-emulated",
@@ -76,12 +117,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="MIB/S",
         help="compute NIC per engine, MiB/s (overrides preset and scale)",
     )
-    g.add_argument(
-        "--buffer-mib",
-        type=int,
-        help="DRAM buffer per node, MiB (default: the preset's, raised so that every agent's "
-        "longest prompt fits at once)",
-    )
+    g.add_argument("--buffer-mib", type=int, help=buffer_help)
     g.add_argument("--hbm-mib", type=int, default=1024, help="KV memory per decode engine, MiB")
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument(
@@ -127,37 +163,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="TOKENS",
         help="cap on the new tokens of one PE forward pass (default: the quota alone)",
     )
-    w = p.add_argument_group("workload (scaled-down synthetic trajectories)")
-    w.add_argument("--workload", default="32k", help="synthetic preset: 32k, 48k, 64k")
-    w.add_argument(
-        "--trajectories",
-        metavar="FILE",
-        help="replay this trajectory JSONL file (first --agents trajectories, scaled and "
-        "truncated the same way) instead of synthetic ones",
-    )
-    w.add_argument("--agents", type=int, default=8, help="agents (trajectories) to replay")
-    w.add_argument(
-        "--max-len",
-        type=int,
-        default=1536,
-        metavar="TOKENS",
-        help="MAL: truncate each trajectory at this many tokens",
-    )
-    w.add_argument(
-        "--append-scale", type=float, default=0.25, help="multiply every appended length by this"
-    )
-    w.add_argument(
-        "--gen-scale", type=float, default=0.05, help="multiply every generated length by this"
-    )
-    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    w.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--store", metavar="DIR", help="block store root (default: a fresh temp folder per mode)"
-    )
-    o.add_argument("--json", action="store_true", help="print the results as JSON")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
 
 
 def _model_source(args: argparse.Namespace) -> Any:

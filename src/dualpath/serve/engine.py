@@ -1,0 +1,232 @@
+"""A served cluster: the runtime's `Cluster` behind a thread-safe `generate`.
+
+`ServingEngine` starts an emulated cluster (`runtime.Cluster`: the scheduler and the nodes as
+processes or threads) and one dispatcher thread, the cluster's only reader: it routes each
+`TurnTokens` / `TurnDone` to the `Generation` of its request. Any number of threads (the HTTP
+server's, one per connection) submit requests concurrently; the cluster's scheduler batches
+them exactly as it batches replayed agent turns, so a follow-up turn whose prompt extends an
+earlier one reads the earlier turn's persisted KV blocks from storage, on whichever path the
+scheduler picks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dualpath.core.errors import DualPathError
+from dualpath.runtime.cluster import Cluster, RunConfig, RunError
+from dualpath.runtime.messages import TurnDone, TurnTokens
+from dualpath.runtime.tokenizer import Tokenizer
+
+
+class ServeError(DualPathError):
+    """The cluster cannot serve (it failed, is closed, or a request timed out)."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: prompt token ids and sampling (`seed` None: derived per request)."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    is_streaming: bool = False
+    is_ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished generation. `output_ids` excludes a final EOS token (`finish_reason`
+    "stop"); "length" means it reached `max_tokens`."""
+
+    output_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV was read from storage instead of computed."""
+    ttft_s: float
+    total_s: float
+
+
+@dataclass
+class Generation:
+    """One request in flight: `chunks()` yields new token ids as the cluster reports them
+    (streaming requests get them per decode step, others all at the end), `result()` waits
+    for the end."""
+
+    request_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    eos_token_ids: tuple[int, ...]
+    is_ignore_eos: bool
+    timeout_s: float
+    submitted_at: float = field(default_factory=time.time)
+    _events: queue.Queue[TurnTokens | TurnDone | BaseException] = field(
+        default_factory=queue.Queue
+    )
+    _num_yielded: int = 0
+    _result: Finished | None = None
+
+    def _put(self, event: TurnTokens | TurnDone | BaseException) -> None:
+        self._events.put(event)
+
+    def chunks(self) -> Iterator[tuple[int, ...]]:
+        """New output token ids, chunk by chunk, until the request finishes (a final EOS is
+        not yielded); ServeError if the cluster fails or `timeout_s` passes."""
+        deadline = self.submitted_at + self.timeout_s
+        while self._result is None:
+            try:
+                event = self._events.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise ServeError(f"request {self.request_id}: no result within "
+                                 f"{self.timeout_s:g} s") from None
+            if isinstance(event, BaseException):
+                raise ServeError(f"request {self.request_id}: {event}") from event
+            if isinstance(event, TurnTokens):
+                ids = event.token_ids
+            else:
+                self._result = self._finish(event)
+                ids = self._result.output_ids[self._num_yielded:]
+            ids = self._strip_eos(ids)
+            if ids:
+                self._num_yielded += len(ids)
+                yield ids
+
+    def result(self) -> Finished:
+        """Wait for the end (see `chunks`)."""
+        for _ in self.chunks():
+            pass
+        assert self._result is not None
+        return self._result
+
+    def _strip_eos(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        if ids and not self.is_ignore_eos and ids[-1] in self.eos_token_ids:
+            return ids[:-1]
+        return ids
+
+    def _finish(self, done: TurnDone) -> Finished:
+        out = done.output_ids
+        is_eos = bool(out) and not self.is_ignore_eos and out[-1] in self.eos_token_ids
+        return Finished(
+            output_ids=out[:-1] if is_eos else out,
+            finish_reason="stop" if is_eos else "length",
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            ttft_s=max(0.0, done.first_token_at - self.submitted_at),
+            total_s=max(0.0, done.done_at - self.submitted_at),
+        )
+
+
+@dataclass
+class ServeStats:
+    """Counters since start (what `GET /stats` reports)."""
+
+    num_requests: int = 0
+    num_finished: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class ServingEngine:
+    """The cluster, a tokenizer, and the dispatcher thread; `close()` stops them all."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Tokenizer, model_name: str,
+                 request_timeout_s: float = 600.0) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+        self.cluster = Cluster(cfg)
+        if tokenizer.vocab_size > self.cluster.vocab_size:
+            self.cluster.close()
+            raise ServeError(f"the tokenizer has {tokenizer.vocab_size} ids, the model only "
+                             f"{self.cluster.vocab_size}")
+        self.stats = ServeStats()
+        self.started_at = time.time()
+        self._pending: dict[int, Generation] = {}
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._is_stopping = threading.Event()
+        self._thread = threading.Thread(target=self._dispatch, name="dualpath-dispatch",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return self.cluster.max_sequence_tokens
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.cluster.max_prompt_tokens
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._failure is None and not self._is_stopping.is_set()
+
+    def generate(self, req: GenerateRequest) -> Generation:
+        """Submit `req`; SpecError names a field the cluster cannot serve, ServeError says
+        why the cluster cannot serve at all."""
+        if self._is_stopping.is_set():
+            raise ServeError("the server is shutting down")
+        if self._failure is not None:
+            raise ServeError(f"the cluster failed: {self._failure}")
+        # Registered under the lock the dispatcher routes under: a result cannot arrive first.
+        with self._lock:
+            rid, hit = self.cluster.submit(
+                req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                seed=req.seed, is_ignore_eos=req.is_ignore_eos, is_streaming=req.is_streaming,
+            )
+            gen = Generation(rid, len(req.prompt_ids), hit, self.tokenizer.eos_token_ids,
+                             req.is_ignore_eos, self.request_timeout_s)
+            self._pending[rid] = gen
+            self.stats.num_requests += 1
+            self.stats.num_prompt_tokens += len(req.prompt_ids)
+            self.stats.num_cached_tokens += hit
+        return gen
+
+    def _dispatch(self) -> None:
+        while not self._is_stopping.is_set():
+            try:
+                msg = self.cluster.next_message(0.2)
+            except RunError as exc:
+                self._fail(exc)
+                return
+            if msg is None:
+                continue
+            with self._lock:
+                gen = self._pending.get(msg.request_id)
+                if isinstance(msg, TurnDone):
+                    self._pending.pop(msg.request_id, None)
+                    self.stats.num_finished += 1
+                    self.stats.num_generated_tokens += len(msg.output_ids)
+            if gen is not None:
+                gen._put(msg)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._failure = exc
+            pending, self._pending = self._pending, {}
+        for gen in pending.values():
+            gen._put(exc)
+
+    def close(self) -> None:
+        """Stop the dispatcher, fail what is still in flight, stop the cluster."""
+        if self._is_stopping.is_set():
+            return
+        self._is_stopping.set()
+        self._thread.join(timeout=5.0)
+        self._fail(ServeError("the server shut down"))
+        self.cluster.close()
+
+    def __enter__(self) -> ServingEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
