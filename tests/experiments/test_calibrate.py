@@ -14,6 +14,7 @@ from dualpath.experiments.calibrate import (
     Calibration,
     CellFit,
     fit_log_least_squares,
+    oracle_growth,
     scaled_overrides,
     write_fitted,
 )
@@ -76,3 +77,17 @@ def test_write_fitted_updates_copy_and_keeps_format(tmp_path: Path) -> None:
     assert loaded.source.startswith("fitted to a test target || prior: ")
     doc = json.loads(path.read_text())
     assert "about" in doc and len(doc["entries"]) >= 4
+
+
+def test_growth_table_flags_a_paper_doubling_above_the_work() -> None:
+    rows: list[list[object]] = [
+        ["ds27b_1p1d", 1024, "48k", "held out", 920.0, 750.0, 0.2],
+        ["ds27b_1p1d", 2048, "48k", "held out", 1600.0, 1240.0, 0.3],
+        ["ds27b_1p1d", 4096, "48k", "held out", 3000.0, 3140.0, -0.04],
+        ["ds27b_1p1d", 512, "32k", "fit", 370.0, 390.0, -0.05],
+    ]
+    text = "\n".join(oracle_growth(rows))
+    assert "| DS 27B 1P1D | 48k | 1,024 -> 2,048 | 1.65x | 1.74x |" in text
+    assert "| DS 27B 1P1D | 48k | 2,048 -> 4,096 | 2.53x | 1.88x |" in text
+    assert "48k 2,048 -> 4,096 (2.53x)" in text and "1,024 -> 2,048 (" not in text
+    assert oracle_growth(rows[3:]) == []  # no doubling among the cells
