@@ -63,7 +63,9 @@ These causes apply to every section; each section's tables show how large the di
    2P4D, where DualPath stays close to Oracle, DualPath's speedup over Basic comes out well
    below the paper's. Section `storage-rate` computes the rates from the paper's JCTs and ours
    and re-runs the cells at half the storage rate; we keep the nominal rate, as the paper says
-   3FS saturates the NIC, and report the cells this leaves apart as mismatches.
+   3FS saturates the NIC, and report the cells this leaves apart as mismatches. Our KV size
+   is not the cause: the paper's own Table 1 (section `table1`) implies a smaller KV per
+   token for DeepSeek-V3.2 than our preset stores, which would widen the gap, not close it.
 9. **Scale.** The quick report scales Table 3 by 2x. The paper's offline size also runs here
    (`dualpath reproduce table3 --scale-out 24 --agents 2048`: 48P96D with 49,152 agents, 7.7
    million turns; 13 to 32 minutes for the whole section here, depending on what else shares

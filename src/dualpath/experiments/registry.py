@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dualpath.core.errors import UnknownPresetError
-from dualpath.experiments.batching import fig3
 from dualpath.experiments.calibrate import calibration_section
+from dualpath.experiments.checks import fig3, table1
 from dualpath.experiments.extensions import split_reads, table3
 from dualpath.experiments.notes import DIFFERENCES
 from dualpath.experiments.offline import ablation, fig7, fig8, fig9
@@ -27,6 +27,7 @@ Experiment = Callable[[Context], Section]
 
 EXPERIMENTS: dict[str, Experiment] = {
     "calibration": calibration_section,
+    "table1": table1,
     "fig3": fig3,
     "fig7": fig7,
     "storage-rate": storage_rate,

@@ -5,12 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.experiments.batching import (
+from dualpath.core.model import model_preset
+from dualpath.experiments.checks import (
     PAPER_FIG3,
+    PAPER_TABLE1,
+    cache_compute_ratio,
     fig3,
     fit_fixed_over_var,
     paper_relative,
     relative_throughput,
+    table1,
 )
 from dualpath.experiments.registry import resolve
 from dualpath.experiments.report import Context
@@ -45,3 +49,25 @@ def test_fig3_section_compares_the_cost_model_with_the_paper(tmp_path: Path) -> 
     assert "| paper | 1.0x | 1.7x" in sec.body
     assert (tmp_path / "fig3_batching.png").stat().st_size > 0
     assert resolve(["fig3"]) == ["fig3"]
+
+
+def test_cache_compute_ratio_reproduces_table1_for_the_dense_model() -> None:
+    # Qwen2.5-32B has one KV format (FP16), so it checks the FLOPs count: within 2% at both ends.
+    qwen = model_preset("qwen2.5-32b")
+    lo, hi = PAPER_TABLE1["qwen2.5-32b"]
+    assert cache_compute_ratio(qwen, 16 * 1024) == pytest.approx(lo, rel=0.02)
+    assert cache_compute_ratio(qwen, 64 * 1024) == pytest.approx(hi, rel=0.02)
+    # More context per appended token: more KV per FLOP.
+    v32 = model_preset("deepseek-v3.2")
+    assert cache_compute_ratio(v32, 16 * 1024) < cache_compute_ratio(v32, 64 * 1024)
+
+
+def test_table1_section_states_the_kv_size_the_paper_implies(tmp_path: Path) -> None:
+    sec = table1(Context(tmp_path))
+    assert "| qwen2.5-32b | 4,096 B |" in sec.body
+    with open(tmp_path / "table1_cache_compute.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["model"] for r in rows} == set(PAPER_TABLE1)
+    implied = sec.body.split("deepseek-v3.2 ")[-1].split(" B per token")[0]
+    assert 500 < float(implied.replace(",", "")) < 650  # the paper's FP8 576-dim latent
+    assert resolve(["table1"]) == ["table1"]
