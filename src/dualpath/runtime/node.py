@@ -153,14 +153,16 @@ def build_model(source: ModelSource) -> Any:
 
 
 def model_tokenizer(source: ModelSource) -> Any:
-    """The `Tokenizer` of `source`: the checkpoint's own, or byte-level for `tiny`."""
+    """The `Tokenizer` of `source` with its chat template: the checkpoint's own, or
+    byte-level (ChatML) for `tiny`."""
     from dualpath.runtime import weights
     from dualpath.runtime.tokenizer import Tokenizer
 
     if source.kind == "tiny":
         return Tokenizer.byte_level(weights.tiny_config().vocab_size)
-    folder = weights.smollm2_folder() if source.kind == "smollm2" else Path(source.path)
-    return weights.load_tokenizer(folder)
+    if source.kind == "smollm2":  # the GGUF carries the vocabulary and the chat template
+        return Tokenizer.from_gguf(weights.smollm2_gguf_path())
+    return weights.load_tokenizer(Path(source.path))
 
 
 def model_config(source: ModelSource) -> Any:

@@ -3,6 +3,7 @@ GGUF vocabulary or loaded from a HF `tokenizer.json`, plus the ChatML chat forma
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,13 @@ class ChatMessage:
 class Tokenizer:
     """Text <-> token ids. Special tokens (`<|im_start|>` ...) map to their single ids."""
 
-    def __init__(self, inner: HFTokenizer, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, inner: HFTokenizer, eos_token_ids: Sequence[int] = (),
+                 chat_template: str | None = None) -> None:
         self.inner = inner
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        """The model's own Jinja chat template (HF `tokenizer_config.json` or GGUF
+        `tokenizer.chat_template`); None: ChatML (`chat_text`)."""
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +69,20 @@ class Tokenizer:
     ) -> list[int]:
         return self.encode(self.chat_text(messages, add_generation_prompt))
 
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `messages` in the model's own chat template (as HF `transformers`
+        renders it: sandboxed Jinja, `trim_blocks`, `lstrip_blocks`), ChatML without one.
+        TokenizerError when the template rejects the conversation (its `raise_exception`)
+        or cannot be rendered."""
+        if self.chat_template is None:
+            return self.encode_chat(messages, add_generation_prompt)
+        return self.encode(render_chat_template(
+            self.chat_template, messages, add_generation_prompt,
+            eos_token=self.decode(self.eos_token_ids[:1]) if self.eos_token_ids else "",
+        ))
+
     @classmethod
     def byte_level(cls, vocab_size: int) -> Tokenizer:
         """One token per UTF-8 byte (ids 1-256), `<|endoftext|>` (EOS) at 0 and the ChatML
@@ -91,7 +110,8 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path | str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
-        """Load `tokenizer.json` from a checkpoint folder (or the file itself)."""
+        """Load `tokenizer.json` from a checkpoint folder (or the file itself), with the chat
+        template of the folder's `tokenizer_config.json` when it has one."""
         path = Path(folder)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -99,7 +119,7 @@ class Tokenizer:
             inner = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception
             raise TokenizerError(f"{path}: cannot load tokenizer ({exc})") from None
-        return cls(inner, eos_token_ids)
+        return cls(inner, eos_token_ids, _folder_chat_template(path.parent))
 
     @classmethod
     def from_gguf(cls, path: Path | str) -> Tokenizer:
@@ -142,4 +162,48 @@ class Tokenizer:
             if kind_id == GGUF_CONTROL_TOKEN
         ])
         eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-        return cls(inner, (int(eos.contents()),) if eos is not None else ())
+        template = reader.fields.get("tokenizer.chat_template")
+        return cls(inner, (int(eos.contents()),) if eos is not None else (),
+                   str(template.contents()) if template is not None else None)
+
+
+def _folder_chat_template(folder: Path) -> str | None:
+    """`chat_template` of `folder/tokenizer_config.json` (a string, or HF's list of named
+    templates: the "default" one), or None."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise TokenizerError(f"{path}: cannot read chat_template ({exc})") from None
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        raw = named.get("default")
+    if raw is not None and not isinstance(raw, str):
+        raise TokenizerError(f"{path}: chat_template must be a string or a list of "
+                             "{name, template}")
+    return raw
+
+
+def render_chat_template(template: str, messages: Sequence[ChatMessage],
+                         add_generation_prompt: bool = True, eos_token: str = "",
+                         bos_token: str = "") -> str:
+    """`template` rendered for `messages` as HF `transformers` does (sandboxed Jinja with
+    `trim_blocks` and `lstrip_blocks`, `raise_exception` available to the template)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TokenizerError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt, eos_token=eos_token,
+            bos_token=bos_token,
+        )
+    except TemplateError as exc:
+        raise TokenizerError(f"chat template cannot be rendered: {exc}") from None

@@ -6,7 +6,7 @@ Endpoints:
     GET  /v1/models            the one served model
     GET  /stats                requests, prompt / cached / generated tokens, the cluster's shape
     POST /v1/completions       `prompt` (text or token ids), OpenAI's completion objects
-    POST /v1/chat/completions  `messages` in the model's ChatML template
+    POST /v1/chat/completions  `messages` in the model's own chat template (ChatML without one)
 
 Both POST endpoints take `max_tokens` (chat also `max_completion_tokens`), `temperature`,
 `top_p`, `seed`, `stop` (up to 4 strings), `stream` with `stream_options.include_usage`, and
@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
+from dualpath.runtime.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from dualpath.serve.engine import Finished, GenerateRequest, ServeError, ServingEngine
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -190,7 +190,13 @@ def parse_request(body: Any, tokenizer: Tokenizer, limits: Limits,
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise _bad(name, "only 0 is supported")
-    prompt = tokenizer.encode_chat(_messages(body)) if is_chat else _prompt(body, tokenizer)
+    if is_chat:
+        try:
+            prompt = tokenizer.apply_chat_template(_messages(body))
+        except TokenizerError as exc:  # the template refused the conversation
+            raise _bad("messages", str(exc)) from None
+    else:
+        prompt = _prompt(body, tokenizer)
     if len(prompt) > limits.max_prompt_tokens:
         raise _bad("messages" if is_chat else "prompt",
                    f"{len(prompt)} tokens; at most {limits.max_prompt_tokens} are served")

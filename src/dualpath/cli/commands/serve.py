@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "/health and /stats. Every request's prompt KV is persisted block by block, so a "
             "follow-up turn that extends an earlier conversation reads those blocks from "
             "storage (usage.prompt_tokens_details.cached_tokens) on the path the scheduler "
-            "picks. Chat prompts use the ChatML template (SmolLM2, Qwen2). Ctrl-C stops."
+            "picks. Chat prompts use the model's own chat template (the GGUF's or "
+            "tokenizer_config.json's; ChatML for the tiny model). Ctrl-C stops."
         ),
         epilog="example: dualpath serve --port 8000, then\n  curl localhost:8000/v1/chat/"
         "completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": "
