@@ -101,6 +101,23 @@ def test_undelivered_requests_count_against_the_des_memory() -> None:
     assert s.num_waiting == 1
 
 
+def test_cancel_drops_a_queued_request_and_forwards_an_assigned_one() -> None:
+    s = make()
+    submit(s, 1, 300, 4)
+    submit(s, 2, 300, 4)
+    assert s.cancel(1) == ("dropped", -1)  # in the global queue
+    s.on_fetch(Fetch(1, loads(1, 1 << 30)))  # request 2 bound to a DE, waiting for a PE
+    assert s.cancel(2) == ("dropped", -1)
+    assert s.num_waiting == 0 and s.on_fetch(Fetch(0, loads(0, 1 << 30))).prefill == ()
+    assert s.on_fetch(Fetch(1, loads(1, 1 << 30))).decode == ()
+    submit(s, 3, 300, 4)
+    s.on_fetch(Fetch(1, loads(1, 1 << 30)))
+    s.on_fetch(Fetch(0, loads(0, 1 << 30)))  # the PE has it: the DE must end it
+    assert s.cancel(3) == ("forward", 1)
+    s.finished(3)
+    assert s.cancel(3) == ("unknown", -1) and s.cancel(99) == ("unknown", -1)
+
+
 def test_forced_de_side_reads_every_hit_on_the_de_node() -> None:
     s = make(forced="de")
     submit(s, 1, 300, 4)

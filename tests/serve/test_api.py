@@ -45,7 +45,8 @@ def test_chat_request_uses_the_chatml_prompt_and_openai_defaults() -> None:
     req = parse({**CHAT, "model": "tiny", "max_tokens": 5, "seed": 7, "stop": "x"})
     assert list(req.gen.prompt_ids) == TOK.encode_chat([ChatMessage("user", "hi")])
     assert (req.gen.max_tokens, req.gen.temperature, req.gen.seed) == (5, 1.0, 7)
-    assert req.stop == ("x",) and req.is_chat and not req.gen.is_streaming
+    assert req.stop == ("x",) and req.is_chat and not req.is_client_streaming
+    assert req.gen.is_streaming  # stop strings: the server watches tokens as they come
     parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
     assert parts.gen.prompt_ids == req.gen.prompt_ids
     # Without max_tokens a chat reply may use what the sequence limit leaves.
@@ -221,6 +222,44 @@ def test_concurrent_requests_each_get_their_own_reply(server: ApiServer) -> None
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(one, prompts))
     assert together == alone
+
+
+def test_cancel_ends_a_long_generation_early(server: ApiServer) -> None:
+    from dualpath.serve import GenerateRequest
+
+    gen = server.engine.generate(GenerateRequest(tuple(range(3, 13)), max_tokens=3000,
+                                                 temperature=0, is_streaming=True,
+                                                 is_ignore_eos=True))
+    first = next(gen.chunks())
+    assert first
+    gen.cancel()
+    fin = gen.result()
+    assert fin.finish_reason == "cancelled"
+    assert len(first) <= len(fin.output_ids) < 3000
+
+
+def test_a_stop_string_cuts_the_reply_and_cancels_the_request(server: ApiServer) -> None:
+    body = {"prompt": list(range(20, 40)), "temperature": 0, "ignore_eos": True}
+    _, full = call(server, "/v1/completions", {**body, "max_tokens": 40})
+    text = full["choices"][0]["text"]
+    stop = next((c for c in text[2:] if c.isascii() and c.isprintable()), None)
+    if stop is None:  # pragma: no cover - 38 random bytes without one printable ASCII char
+        pytest.skip("no printable ASCII character in the reply")
+    for stream in (False, True):
+        status, out = call(server, "/v1/completions",
+                           {**body, "max_tokens": 3000, "stop": stop, "stream": stream,
+                            "stream_options": {"include_usage": True}} if stream else
+                           {**body, "max_tokens": 3000, "stop": stop})
+        assert status == 200
+        if stream:
+            got = "".join(e["choices"][0]["text"] for e in out if e["choices"])
+            finish = [e["choices"][0]["finish_reason"] for e in out if e["choices"]][-1]
+            usage = out[-1]["usage"]
+        else:
+            got, finish, usage = (out["choices"][0]["text"], out["choices"][0]["finish_reason"],
+                                  out["usage"])
+        assert got == text[: text.index(stop)] and finish == "stop"
+        assert usage["completion_tokens"] < 3000  # cancelled, not generated to the end
 
 
 def test_cluster_refusals_and_bad_fields_are_400s(server: ApiServer) -> None:

@@ -42,6 +42,7 @@ from dualpath.core.validate import positive, positive_int
 from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
+    Cancel,
     Message,
     NodeFailed,
     NodeStats,
@@ -573,6 +574,12 @@ class Cluster:
             )
         )
         return rid, num_hit * bs
+
+    def cancel(self, request_id: int) -> None:
+        """End a submitted request early (thread-safe). Its `TurnDone` still comes, with the
+        tokens generated so far (none if no engine had it yet); a request already done is
+        left alone."""
+        self._sched_q.put(Cancel(request_id))
 
     def next_message(self, timeout_s: float) -> TurnDone | TurnTokens | None:
         """The next `TurnDone` or `TurnTokens`, or None after `timeout_s`; RunError when a

@@ -14,7 +14,8 @@ Per request (paper Fig. 4 and §4 "decode phase"):
    Block, the block is copied out of engine memory (D2H through the compute NIC) into a buffer
    slot and persisted. `TurnDone` is sent once the request's blocks are all stored, so the
    agent's next turn finds them. A streaming request also gets each step's new tokens at once
-   (`TurnTokens`); a request that does not ignore EOS ends at its first EOS token.
+   (`TurnTokens`); a request that does not ignore EOS ends at its first EOS token, and a
+   cancelled one (`Cancel`) at its next decode step.
 
 Block-state invariant: each block of the request is in exactly one of "in the DE buffer",
 "in DE engine memory" (+ "being persisted" from a buffer slot) at a time; a slot is freed only
@@ -33,6 +34,7 @@ import torch
 
 from dualpath.core.blocks import ROOT_KEY, block_key
 from dualpath.runtime.messages import (
+    Cancel,
     DeBufferReady,
     DecodeTask,
     EngineLoad,
@@ -56,6 +58,8 @@ class _DeRequest:
     first_token_at: float = 0.0
     num_streamed: int = 0
     """Generated tokens already reported (`TurnTokens`, streaming requests only)."""
+    is_cancelled: bool = False
+    """The driver cancelled it: it ends at its next decode step (or right after admission)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +102,11 @@ class DecodeEngine:
             with self._cond:
                 self._ready.append((self._requests[msg.request_id], msg))
                 self._cond.notify_all()
+        elif isinstance(msg, Cancel):
+            with self._cond:
+                req = self._requests.get(msg.request_id)
+                if req is not None:  # else it has finished already
+                    req.is_cancelled = True
         else:
             raise RuntimeError(f"DE {self.engine_id}: unexpected message {msg!r}")
 
@@ -208,6 +217,8 @@ class DecodeEngine:
             req.seq = seq
             self._active.append(req)
         self._stream(req)
+        if req.is_cancelled and not seq.is_finished:
+            seq.finish_reason = "cancelled"
         if seq.is_finished:
             self._finish(req)
 
@@ -215,7 +226,14 @@ class DecodeEngine:
         return [self.ctx.nics.compute_tx[self._index], self.ctx.nics.compute_rx[self._index]]
 
     def _step(self) -> None:
+        for req in [r for r in self._active if r.is_cancelled]:
+            # Its completed blocks were persisted after its last step.
+            assert req.seq is not None
+            req.seq.finish_reason = "cancelled"
+            self._finish(req)
         seqs = [r.seq for r in self._active if r.seq is not None]
+        if not seqs:
+            return
         self.model.decode_step(seqs, self.cache)
         for req in list(self._active):
             self._persist_completed(req)

@@ -13,6 +13,7 @@ Request flow (PE engine p on prefill node A, DE engine d on decode node B):
     B -> A          DeBufferReady                      DE buffer slots allocated, DE reads done
     A -> B          PrefillDone                        all prompt KV in B's buffer + first token
     B -> scheduler  TurnTokens                         (streaming requests) each step's new tokens
+    driver -> scheduler -> B  Cancel                   (optional) end the request early
     B -> scheduler  TurnDone                           generated tokens, timings, byte counts
     scheduler -> driver  TurnTokens, TurnDone          forwarded (the driver submits the next turn)
 
@@ -145,6 +146,15 @@ class PrefillDone:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Driver -> scheduler: stop a request early. The scheduler drops it if no engine has it
+    yet (and reports an empty `TurnDone`), else forwards it to the DE node, whose engine ends
+    the request at its next decode step (its `TurnDone` carries the tokens so far)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
 class TurnTokens:
     """A streaming request's tokens generated since its last report (DE -> scheduler ->
     driver); `TurnDone` still follows with all of them."""
@@ -235,6 +245,7 @@ Message = (
     | DeBufferReady
     | PrefillDone
     | TurnTokens
+    | Cancel
     | TurnDone
     | NodeStats
     | RemoteCharge

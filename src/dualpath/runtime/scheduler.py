@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive_int
 from dualpath.runtime.messages import (
+    Cancel,
     DecodeTask,
     EngineLoad,
     Fetch,
@@ -136,6 +137,23 @@ class RuntimeScheduler:
         """Forget a completed request."""
         self._submitted.pop(request_id, None)
         self._bound.pop(request_id, None)
+
+    def cancel(self, request_id: int) -> tuple[str, int]:
+        """Stop a request early: `("dropped", -1)` while no engine has it (the caller reports
+        it done), `("forward", de_node)` once its engines have it (the DE ends it),
+        `("unknown", -1)` for a request already done or never submitted."""
+        if request_id not in self._submitted:
+            return "unknown", -1
+        for q in (self._global_q, *self._private_q.values(), self._pe_q):
+            for i, r in enumerate(q):
+                if r.request_id == request_id:
+                    del q[i]
+                    bound = self._bound.get(request_id)
+                    if bound is not None:
+                        self._undelivered[bound.de_engine].remove(request_id)
+                    self.finished(request_id)
+                    return "dropped", -1
+        return "forward", self._bound[request_id].de_node
 
     # -- fetches ---------------------------------------------------------------------------
     def on_fetch(self, fetch: Fetch) -> Fetched:
@@ -322,9 +340,9 @@ def serve_scheduler(
 ) -> None:
     """The scheduler process (or thread): serve until `Shutdown`, then send `SchedulerStats`.
 
-    Messages in: `Submitted` (driver), `Fetch` (group leaders), `TurnDone` and `TurnTokens` (DE
-    nodes), and the
-    nodes' `NodeUp` / `NodeStats` / `NodeFailed`, which go on to the driver. A fetch that finds
+    Messages in: `Submitted` and `Cancel` (driver), `Fetch` (group leaders), `TurnDone` and
+    `TurnTokens` (DE nodes), and the nodes' `NodeUp` / `NodeStats` / `NodeFailed`, which go on
+    to the driver. A fetch that finds
     no work is parked and retried whenever something changes, and answered empty after
     `max_park_s` so the node's report stays fresh: fetches stay pull-based without the nodes
     polling in a busy loop. Any exception is reported to the driver as `NodeFailed(-1, ...)`.
@@ -370,6 +388,12 @@ def _serve(
         elif isinstance(msg, TurnDone):
             sched.finished(msg.request_id)
             driver.put(msg)
+        elif isinstance(msg, Cancel):
+            outcome, de_node = sched.cancel(msg.request_id)
+            if outcome == "dropped":
+                driver.put(TurnDone(msg.request_id, (), 0.0, time.time()))
+            elif outcome == "forward":
+                nodes[de_node].put(msg)
         elif isinstance(msg, TurnTokens | NodeUp | NodeStats | NodeFailed):
             driver.put(msg)
         elif msg is not None:

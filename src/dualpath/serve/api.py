@@ -12,8 +12,9 @@ Both POST endpoints take `max_tokens` (chat also `max_completion_tokens`), `temp
 `top_p`, `seed`, `stop` (up to 4 strings), `stream` with `stream_options.include_usage`, and
 vLLM's `ignore_eos`. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose
 KV the cluster read from storage (whole blocks of an earlier request's prompt or output) instead
-of computing them. A stop string ends the reply the client sees; the engine still generates up
-to `max_tokens` (there is no cancellation). `n > 1`, `logprobs`, `echo`, penalties and tools are
+of computing them. The reply ends at the first stop string, and the request is
+cancelled there (the cluster ends it at its next decode step), as is the request of a streaming
+client that disconnects. `n > 1`, `logprobs`, `echo`, penalties and tools are
 refused with a 400 naming the field, like every invalid value; errors use OpenAI's
 `{"error": {"message", "type", "param", "code"}}` shape.
 """
@@ -24,7 +25,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,9 +79,13 @@ class Limits:
 @dataclass(frozen=True)
 class ParsedRequest:
     gen: GenerateRequest
+    """`gen.is_streaming` is also set for stop strings: the server watches the tokens as they
+    come and cancels the request at the first stop string."""
     stop: tuple[str, ...]
     is_chat: bool
     include_usage: bool
+    is_client_streaming: bool
+    """The client asked for server-sent events (`stream`)."""
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float,
@@ -222,17 +227,17 @@ def parse_request(body: Any, tokenizer: Tokenizer, limits: Limits,
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "must be an object")
+    stream, stop = _bool(body, "stream"), _stop(body)
     gen = GenerateRequest(
         prompt_ids=tuple(prompt),
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=_int(body, "seed"),
-        is_streaming=_bool(body, "stream"),
+        is_streaming=stream or bool(stop),
         is_ignore_eos=_bool(body, "ignore_eos"),
     )
-    return ParsedRequest(gen, _stop(body), is_chat,
-                         _bool(options or {}, "include_usage"))
+    return ParsedRequest(gen, stop, is_chat, _bool(options or {}, "include_usage"), stream)
 
 
 class TextStream:
@@ -296,10 +301,16 @@ def _choice(req: ParsedRequest, text: str | None, finish: str | None,
 
 
 def complete(engine: ServingEngine, req: ParsedRequest) -> dict[str, Any]:
-    """Run a non-streaming request to its end; the OpenAI response object."""
-    fin = engine.generate(req.gen).result()
+    """Run a non-streaming request to its end (or to its first stop string, where it is
+    cancelled); the OpenAI response object."""
+    gen = engine.generate(req.gen)
     stream = TextStream(engine.tokenizer, req.stop)
-    stream.push(fin.output_ids, is_final=True)
+    for ids in gen.chunks():
+        stream.push(ids)
+        if stream.is_stopped:
+            gen.cancel()
+    fin = gen.result()
+    stream.push((), is_final=True)
     finish = "stop" if stream.is_stopped else fin.finish_reason
     return {
         "id": _new_id(req), "object": "chat.completion" if req.is_chat else "text_completion",
@@ -311,7 +322,7 @@ def complete(engine: ServingEngine, req: ParsedRequest) -> dict[str, Any]:
     }
 
 
-def stream_events(engine: ServingEngine, req: ParsedRequest) -> Iterator[dict[str, Any]]:
+def stream_events(engine: ServingEngine, req: ParsedRequest) -> Generator[dict[str, Any]]:
     """The chunk objects of a streaming request (each becomes one `data:` event)."""
     gen = engine.generate(req.gen)
     rid, created = _new_id(req), int(time.time())
@@ -322,12 +333,17 @@ def stream_events(engine: ServingEngine, req: ParsedRequest) -> Iterator[dict[st
                 "choices": choices, **extra}
 
     stream = TextStream(engine.tokenizer, req.stop)
-    if req.is_chat:
-        yield chunk([_choice(req, "", None, is_delta=True, is_first=True)])
-    for ids in gen.chunks():
-        text = stream.push(ids)
-        if text:
-            yield chunk([_choice(req, text, None, is_delta=True)])
+    try:
+        if req.is_chat:
+            yield chunk([_choice(req, "", None, is_delta=True, is_first=True)])
+        for ids in gen.chunks():
+            text = stream.push(ids)
+            if text:
+                yield chunk([_choice(req, text, None, is_delta=True)])
+            if stream.is_stopped:
+                gen.cancel()
+    finally:  # closed early (the client left): stop generating for nobody; else a no-op
+        gen.cancel()
     fin = gen.result()
     text = stream.push((), is_final=True)
     finish = "stop" if stream.is_stopped else fin.finish_reason
@@ -404,7 +420,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse_request(self._body(), self.server.engine.tokenizer, self.server.limits,
                                 is_chat=routes[self.path])
-            if req.gen.is_streaming:
+            if req.is_client_streaming:
                 self._stream(req)
             else:
                 self._json(HTTPStatus.OK, complete(self.server.engine, req))
@@ -446,7 +462,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._event(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err),
                                  kind="server_error").body())
         except (BrokenPipeError, ConnectionResetError):
-            return  # the client left; the engine finishes the request on its own
+            events.close()  # the client left: its request is cancelled
+            return
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

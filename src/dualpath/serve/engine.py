@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dualpath.core.errors import DualPathError
@@ -43,7 +43,8 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class Finished:
     """A finished generation. `output_ids` excludes a final EOS token (`finish_reason`
-    "stop"); "length" means it reached `max_tokens`."""
+    "stop"); "length" means it reached `max_tokens`, "cancelled" that `cancel` ended it
+    first."""
 
     output_ids: tuple[int, ...]
     finish_reason: str
@@ -66,7 +67,10 @@ class Generation:
     eos_token_ids: tuple[int, ...]
     is_ignore_eos: bool
     timeout_s: float
+    max_tokens: int
+    _cancel: Callable[[int], None]
     submitted_at: float = field(default_factory=time.time)
+    is_cancelled: bool = False
     _events: queue.Queue[TurnTokens | TurnDone | BaseException] = field(
         default_factory=queue.Queue
     )
@@ -98,6 +102,13 @@ class Generation:
                 self._num_yielded += len(ids)
                 yield ids
 
+    def cancel(self) -> None:
+        """Ask the cluster to end this request at its next decode step (its result then
+        has the tokens so far and `finish_reason` "cancelled"); harmless once finished."""
+        if not self.is_cancelled and self._result is None:
+            self.is_cancelled = True
+            self._cancel(self.request_id)
+
     def result(self) -> Finished:
         """Wait for the end (see `chunks`)."""
         for _ in self.chunks():
@@ -113,9 +124,12 @@ class Generation:
     def _finish(self, done: TurnDone) -> Finished:
         out = done.output_ids
         is_eos = bool(out) and not self.is_ignore_eos and out[-1] in self.eos_token_ids
+        reason = "stop" if is_eos else "length"
+        if self.is_cancelled and not is_eos and len(out) < self.max_tokens:
+            reason = "cancelled"
         return Finished(
             output_ids=out[:-1] if is_eos else out,
-            finish_reason="stop" if is_eos else "length",
+            finish_reason=reason,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             ttft_s=max(0.0, done.first_token_at - self.submitted_at),
@@ -184,7 +198,8 @@ class ServingEngine:
                 seed=req.seed, is_ignore_eos=req.is_ignore_eos, is_streaming=req.is_streaming,
             )
             gen = Generation(rid, len(req.prompt_ids), hit, self.tokenizer.eos_token_ids,
-                             req.is_ignore_eos, self.request_timeout_s)
+                             req.is_ignore_eos, self.request_timeout_s, req.max_tokens,
+                             self.cluster.cancel)
             self._pending[rid] = gen
             self.stats.num_requests += 1
             self.stats.num_prompt_tokens += len(req.prompt_ids)
