@@ -59,6 +59,11 @@ def test_folder_template_is_used_and_chatml_is_the_fallback(tmp_path: Path) -> N
                            {"name": "tool_use", "template": "x"}]}))
     templated = Tokenizer.from_folder(tmp_path, (0,))
     assert templated.decode(templated.apply_chat_template(msgs)) == "[user] hi\n"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": LLAMA3_LIKE, "bos_token": {"content": "<s>", "special": True}}))
+    llama = Tokenizer.from_folder(tmp_path, (0,))
+    assert llama.bos_token == "<s>"
+    assert llama.decode(llama.apply_chat_template(msgs)).startswith("<s><|start_header_id|>")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
     with pytest.raises(TokenizerError, match="tokenizer_config.json"):
         Tokenizer.from_folder(tmp_path, (0,))

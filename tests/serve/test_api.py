@@ -41,6 +41,11 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 # -- validation -------------------------------------------------------------------------------
+def test_tiny_temperatures_are_greedy() -> None:
+    assert parse({**CHAT, "temperature": 1e-300}).gen.temperature == 0.0
+    assert parse({**CHAT, "temperature": 0.5}).gen.temperature == 0.5
+
+
 def test_chat_request_uses_the_chatml_prompt_and_openai_defaults() -> None:
     req = parse({**CHAT, "model": "tiny", "max_tokens": 5, "seed": 7, "stop": "x"})
     assert list(req.gen.prompt_ids) == TOK.encode_chat([ChatMessage("user", "hi")])
@@ -69,6 +74,9 @@ def test_completion_takes_text_or_token_ids() -> None:
         ({**CHAT, "n": 2}, "n", 400),
         ({**CHAT, "logprobs": True}, "logprobs", 400),
         ({**CHAT, "temperature": 3}, "temperature", 400),
+        ({**CHAT, "temperature": float("nan")}, "temperature", 400),
+        ({**CHAT, "top_p": float("inf")}, "top_p", 400),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", 400),
         ({**CHAT, "top_p": 0}, "top_p", 400),
         ({**CHAT, "max_tokens": True}, "max_tokens", 400),
         ({**CHAT, "max_tokens": 0}, "max_tokens", 400),
@@ -192,6 +200,7 @@ def test_stream_delivers_the_same_reply_in_pieces(server: ApiServer) -> None:
     assert text == whole["choices"][0]["message"]["content"]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+    assert all(e["usage"] is None for e in events[:-1])  # OpenAI: null but in the last
     assert all(e["object"] == "chat.completion.chunk" for e in events)
 
 
@@ -259,7 +268,9 @@ def test_a_stop_string_cuts_the_reply_and_cancels_the_request(server: ApiServer)
             got, finish, usage = (out["choices"][0]["text"], out["choices"][0]["finish_reason"],
                                   out["usage"])
         assert got == text[: text.index(stop)] and finish == "stop"
-        assert usage["completion_tokens"] < 3000  # cancelled, not generated to the end
+        # Counted up to the token that completed the stop string (one byte per token here).
+        upto = len(text[: text.index(stop) + 1].encode("utf-8", "surrogatepass"))
+        assert usage["completion_tokens"] <= upto + 3
 
 
 def test_cluster_refusals_and_bad_fields_are_400s(server: ApiServer) -> None:

@@ -25,6 +25,7 @@ could otherwise wait on each other.
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -554,6 +555,11 @@ class Cluster:
             raise SpecError("request", "max_tokens", max_tokens,
                             f"prompt ({len(prompt)}) + max_tokens exceeds the "
                             f"{self.max_sequence_tokens} tokens one sequence may hold")
+        temp = cfg.temperature if temperature is None else temperature
+        if not (math.isfinite(temp) and temp >= 0.0):  # a node would fail on it
+            raise SpecError("request", "temperature", temp, "must be a finite number >= 0")
+        if not 0.0 < top_p <= 1.0:
+            raise SpecError("request", "top_p", top_p, "must be in (0, 1]")
         bs = cfg.block_size
         keys = block_keys(prompt, bs)
         num_hit = 0
@@ -566,7 +572,7 @@ class Cluster:
                 request=WaitingRequest(rid, len(prompt), num_hit * bs, max_tokens),
                 token_ids=tuple(prompt),
                 block_keys=tuple(keys),
-                temperature=cfg.temperature if temperature is None else temperature,
+                temperature=temp,
                 sample_seed=cfg.seed * 1_000_003 + rid if seed is None else seed,
                 top_p=top_p,
                 is_ignore_eos=is_ignore_eos,

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dualpath.core.blocks import ROOT_KEY, block_key
+from dualpath.runtime.buffers import BufferFullError
 from dualpath.runtime.messages import (
     Cancel,
     DeBufferReady,
@@ -264,7 +265,14 @@ class DecodeEngine:
             parent = req.keys[b - 1] if b else ROOT_KEY
             if b >= len(req.keys):
                 req.keys.append(block_key(parent, tokens))
-            (slot,) = ctx.pool.alloc(1)
+            try:
+                (slot,) = ctx.pool.alloc(1, timeout_s=0.0)
+            except BufferFullError:
+                # The buffer is full of prompts that wait for this very thread to admit them:
+                # waiting here would deadlock. The block stays in engine memory and is tried
+                # again after the next step (and once more when the request finishes).
+                ctx.count_engine("num_persist_deferred")
+                return
             self.cache.export_block(seq, lay, b, ctx.pool.slot(slot))
             ctx.charge(self._cnic(), lay.full_block_bytes, "d2h")
             ctx.write_queue.put((req.keys[b], slot))
@@ -273,6 +281,10 @@ class DecodeEngine:
     def _finish(self, req: _DeRequest) -> None:
         seq = req.seq
         assert seq is not None
+        self._persist_completed(req)
+        skipped = seq.num_kv_tokens // self.ctx.layout.block_size - req.num_persisted_blocks
+        if skipped > 0:  # still no free slot: those blocks are not cached (a later miss)
+            self.ctx.count_engine("num_persist_skipped_blocks", skipped)
         self.cache.release(seq)
         with self._cond:
             self._active.remove(req)

@@ -32,12 +32,14 @@ class Tokenizer:
     """Text <-> token ids. Special tokens (`<|im_start|>` ...) map to their single ids."""
 
     def __init__(self, inner: HFTokenizer, eos_token_ids: Sequence[int] = (),
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, bos_token: str = "") -> None:
         self.inner = inner
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         """The model's own Jinja chat template (HF `tokenizer_config.json` or GGUF
         `tokenizer.chat_template`); None: ChatML (`chat_text`)."""
+        self.bos_token = bos_token
+        """The BOS token's text, for templates that write `{{ bos_token }}`."""
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +83,7 @@ class Tokenizer:
         return self.encode(render_chat_template(
             self.chat_template, messages, add_generation_prompt,
             eos_token=self.decode(self.eos_token_ids[:1]) if self.eos_token_ids else "",
+            bos_token=self.bos_token,
         ))
 
     @classmethod
@@ -119,7 +122,8 @@ class Tokenizer:
             inner = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception
             raise TokenizerError(f"{path}: cannot load tokenizer ({exc})") from None
-        return cls(inner, eos_token_ids, _folder_chat_template(path.parent))
+        template, bos = _folder_chat_config(path.parent)
+        return cls(inner, eos_token_ids, template, bos)
 
     @classmethod
     def from_gguf(cls, path: Path | str) -> Tokenizer:
@@ -163,18 +167,23 @@ class Tokenizer:
         ])
         eos = reader.fields.get("tokenizer.ggml.eos_token_id")
         template = reader.fields.get("tokenizer.chat_template")
+        bos = reader.fields.get("tokenizer.ggml.bos_token_id")
         return cls(inner, (int(eos.contents()),) if eos is not None else (),
-                   str(template.contents()) if template is not None else None)
+                   str(template.contents()) if template is not None else None,
+                   tokens[int(bos.contents())] if bos is not None else "")
 
 
-def _folder_chat_template(folder: Path) -> str | None:
-    """`chat_template` of `folder/tokenizer_config.json` (a string, or HF's list of named
-    templates: the "default" one), or None."""
+def _folder_chat_config(folder: Path) -> tuple[str | None, str]:
+    """`(chat_template, bos_token)` of `folder/tokenizer_config.json`: the template a string,
+    or HF's list of named templates (the "default" one), or None; the BOS token's text ("" if
+    none)."""
     path = folder / "tokenizer_config.json"
     if not path.is_file():
-        return None
+        return None, ""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        config = json.loads(path.read_text(encoding="utf-8"))
+        raw = config.get("chat_template")
+        bos = config.get("bos_token") or ""
     except (OSError, ValueError, AttributeError) as exc:
         raise TokenizerError(f"{path}: cannot read chat_template ({exc})") from None
     if isinstance(raw, list):
@@ -183,7 +192,11 @@ def _folder_chat_template(folder: Path) -> str | None:
     if raw is not None and not isinstance(raw, str):
         raise TokenizerError(f"{path}: chat_template must be a string or a list of "
                              "{name, template}")
-    return raw
+    if isinstance(bos, dict):  # an AddedToken written out: {"content": ..., ...}
+        bos = bos.get("content") or ""
+    if not isinstance(bos, str):
+        raise TokenizerError(f"{path}: bos_token must be a string")
+    return raw, bos
 
 
 def render_chat_template(template: str, messages: Sequence[ChatMessage],

@@ -22,6 +22,7 @@ refused with a 400 naming the field, like every invalid value; errors use OpenAI
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import uuid
@@ -41,6 +42,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 512
 """Chat's default: this, or what the sequence limit leaves after the prompt if less."""
 MAX_STOP_STRINGS = 4
+GREEDY_BELOW = 1e-5
+"""A `temperature` below this samples greedily."""
 ROLES = ("system", "user", "assistant", "tool", "developer")
 UNSUPPORTED_TRUTHY = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix",
                       "best_of", "logit_bias", "response_format")
@@ -93,11 +96,18 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise _bad(name, f"must be a number, got {json.dumps(v)}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise _bad(name, f"must be a finite number, got {json.dumps(v)}")
     if v < lo or v > hi or (lo_open and v == lo):
         raise _bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}")
     return float(v)
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    """`temperature` in [0, 2]; below `GREEDY_BELOW` it is greedy (0), as dividing logits
+    by a denormal would overflow them."""
+    t = _number(body, "temperature", 1.0, 0.0, 2.0)
+    return 0.0 if t < GREEDY_BELOW else t
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:
@@ -227,11 +237,13 @@ def parse_request(body: Any, tokenizer: Tokenizer, limits: Limits,
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "must be an object")
+    if options is not None and not _bool(body, "stream"):
+        raise _bad("stream_options", "is only allowed with stream: true")
     stream, stop = _bool(body, "stream"), _stop(body)
     gen = GenerateRequest(
         prompt_ids=tuple(prompt),
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_temperature(body),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=_int(body, "seed"),
         is_streaming=stream or bool(stop),
@@ -252,6 +264,9 @@ class TextStream:
         self.text = ""
         self.num_sent = 0
         self.is_stopped = False
+        self.num_ids_at_stop = 0
+        """Token ids pushed up to the push that completed the first stop string (what
+        `usage.completion_tokens` counts once stopped)."""
 
     def push(self, ids: Sequence[int], is_final: bool = False) -> str:
         """The text that may be sent now (empty once stopped)."""
@@ -263,6 +278,7 @@ class TextStream:
         if cuts:
             text = text[: min(cuts)]
             self.is_stopped = True
+            self.num_ids_at_stop = len(self.ids)
             safe = len(text)
         elif is_final:
             safe = len(text)
@@ -279,6 +295,13 @@ class TextStream:
         out = text[self.num_sent: safe] if safe > self.num_sent else ""
         self.num_sent = max(self.num_sent, safe)
         return out
+
+
+def _num_completion(fin: Finished, stream: TextStream) -> int:
+    """Generated tokens up to the stop string when one ended the reply, else all of them."""
+    if stream.is_stopped:
+        return min(stream.num_ids_at_stop, len(fin.output_ids))
+    return len(fin.output_ids)
 
 
 def _usage(fin: Finished, num_completion: int) -> dict[str, Any]:
@@ -316,7 +339,7 @@ def complete(engine: ServingEngine, req: ParsedRequest) -> dict[str, Any]:
         "id": _new_id(req), "object": "chat.completion" if req.is_chat else "text_completion",
         "created": int(time.time()), "model": engine.model_name,
         "choices": [_choice(req, stream.text, finish, is_delta=False)],
-        "usage": _usage(fin, len(fin.output_ids)),
+        "usage": _usage(fin, _num_completion(fin, stream)),
         "dualpath": {"ttft_s": round(fin.ttft_s, 4), "total_s": round(fin.total_s, 4),
                      "mode": engine.cfg.mode},
     }
@@ -329,8 +352,10 @@ def stream_events(engine: ServingEngine, req: ParsedRequest) -> Generator[dict[s
     kind = "chat.completion.chunk" if req.is_chat else "text_completion"
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        # With include_usage every chunk has a `usage` key, null but in the last (OpenAI).
+        usage: dict[str, Any] = {"usage": None} if req.include_usage else {}
         return {"id": rid, "object": kind, "created": created, "model": engine.model_name,
-                "choices": choices, **extra}
+                "choices": choices, **usage, **extra}
 
     stream = TextStream(engine.tokenizer, req.stop)
     try:
@@ -349,7 +374,7 @@ def stream_events(engine: ServingEngine, req: ParsedRequest) -> Generator[dict[s
     finish = "stop" if stream.is_stopped else fin.finish_reason
     yield chunk([_choice(req, text, finish, is_delta=True)])
     if req.include_usage:
-        yield chunk([], usage=_usage(fin, len(fin.output_ids)))
+        yield chunk([], usage=_usage(fin, _num_completion(fin, stream)))
 
 
 def _new_id(req: ParsedRequest) -> str:
@@ -383,11 +408,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
-
-    def _error(self, err: ApiError) -> None:
-        self._json(err.status, err.body())
 
     def do_GET(self) -> None:
         eng = self.server.engine
@@ -413,11 +437,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route GET {self.path}"))
 
     def do_POST(self) -> None:
+        self._is_body_read = False
+        self._is_stream_open = False
         routes = {"/v1/completions": False, "/v1/chat/completions": True}
-        if self.path not in routes:
-            self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route POST {self.path}"))
-            return
         try:
+            if self.path not in routes:
+                raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {self.path}")
             req = parse_request(self._body(), self.server.engine.tokenizer, self.server.limits,
                                 is_chat=routes[self.path])
             if req.is_client_streaming:
@@ -430,20 +455,36 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(ApiError(HTTPStatus.BAD_REQUEST, str(err), err.field))
         except ServeError as err:
             self._error(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), kind="server_error"))
+        except Exception as exc:  # a bug: answer it rather than drop the connection
+            self.log_error("internal error: %r", exc)
+            if not self._is_stream_open:
+                self._error(ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                     f"internal error: {type(exc).__name__}: {exc}",
+                                     kind="server_error"))
+            self.close_connection = True
+
+    def _error(self, err: ApiError) -> None:
+        if not getattr(self, "_is_body_read", True):
+            self.close_connection = True  # its unread body must not be parsed as a request
+        self._json(err.status, err.body())
 
     def _body(self) -> Any:
         try:
             size = int(self.headers.get("Content-Length", "0"))
         except ValueError:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "bad Content-Length header") from None
+            size = -1
+        if size < 0:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "bad Content-Length header")
         if size > MAX_BODY_BYTES:
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                            f"request body of {size} bytes; at most {MAX_BODY_BYTES}")
         raw = self.rfile.read(size)
+        self._is_body_read = True
         try:
             return json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON body: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints
+            raise ApiError(HTTPStatus.BAD_REQUEST,
+                           f"invalid JSON body: {str(exc)[:200]}") from None
 
     def _stream(self, req: ParsedRequest) -> None:
         events = stream_events(self.server.engine, req)
@@ -454,6 +495,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
+        self._is_stream_open = True
         try:
             self._event(first)
             for ev in events:

@@ -88,6 +88,7 @@ class Generation:
             try:
                 event = self._events.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
+                self.cancel()  # nobody waits for it any more
                 raise ServeError(f"request {self.request_id}: no result within "
                                  f"{self.timeout_s:g} s") from None
             if isinstance(event, BaseException):
@@ -187,12 +188,13 @@ class ServingEngine:
     def generate(self, req: GenerateRequest) -> Generation:
         """Submit `req`; SpecError names a field the cluster cannot serve, ServeError says
         why the cluster cannot serve at all."""
-        if self._is_stopping.is_set():
-            raise ServeError("the server is shutting down")
-        if self._failure is not None:
-            raise ServeError(f"the cluster failed: {self._failure}")
-        # Registered under the lock the dispatcher routes under: a result cannot arrive first.
+        # Registered under the lock the dispatcher routes (and fails requests) under: a result
+        # cannot arrive first, and a failure cannot slip between the check and the register.
         with self._lock:
+            if self._is_stopping.is_set():
+                raise ServeError("the server is shutting down")
+            if self._failure is not None:
+                raise ServeError(f"the cluster failed: {self._failure}")
             rid, hit = self.cluster.submit(
                 req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 seed=req.seed, is_ignore_eos=req.is_ignore_eos, is_streaming=req.is_streaming,

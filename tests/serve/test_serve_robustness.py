@@ -1,0 +1,113 @@
+"""A cluster failure while serving: the request in flight fails, later ones get 503, and
+/health says the server is unavailable (tiny model, node threads)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dualpath.runtime.cluster import RunConfig
+from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.serve import GenerateRequest, ServeError, ServingEngine, make_server
+
+MiB = 2**20
+
+
+def get(url: str, body: object = None) -> tuple[int, dict[str, object]]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_failed_node_fails_the_request_and_the_server_reports_it(tmp_path: Path) -> None:
+    cfg = RunConfig(
+        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
+        num_decode_nodes=1, engines_per_node=1, buffer_bytes=4 * 16 * 1024, hbm_bytes=32 * MiB,
+        transfer_kind="shm", block_size=16,
+    )
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
+        srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        host, port = srv.server_address[:2]
+        base = f"http://{host!s}:{port}"
+        assert get(f"{base}/health") == (200, {"status": "ok"})
+        # The API refuses a prompt no node buffer holds (4 slots of 16 tokens)...
+        status, err = get(f"{base}/v1/completions", {"prompt": list(range(1, 100))})
+        assert status == 400 and err["error"]["param"] == "prompt"  # type: ignore[index]
+        # ...submitted past it, the prefill node's reader fails and takes the cluster down.
+        gen = engine.generate(GenerateRequest(tuple(range(1, 100)), 4))
+        with pytest.raises(ServeError, match="BufferFullError"):
+            gen.result()
+        assert get(f"{base}/health")[0] == 503
+        status, err = get(f"{base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 503 and "failed" in str(err["error"])
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_full_buffer_defers_persistence_instead_of_deadlocking(tmp_path: Path) -> None:
+    # An 8-slot decode buffer: request B's prompt takes every slot while it waits for the
+    # decode engine to admit it, and the engine's running request A completes blocks that
+    # want a slot to be persisted. A must not wait for a slot (B waits for A's engine).
+    cfg = RunConfig(
+        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
+        num_decode_nodes=1, engines_per_node=1, buffer_bytes=8 * 16 * 1024, hbm_bytes=32 * MiB,
+        transfer_kind="shm", block_size=16, compute_nic_bytes_per_s=1e6,
+    )
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
+        a = engine.generate(GenerateRequest(tuple(range(3, 19)), 300, temperature=0,
+                                            is_streaming=True, is_ignore_eos=True))
+        chunks = a.chunks()
+        next(chunks)
+        b = engine.generate(GenerateRequest(tuple(range(20, 20 + engine.max_prompt_tokens)), 4,
+                                            temperature=0, is_ignore_eos=True))
+        assert len(b.result().output_ids) == 4
+        assert len(a.result().output_ids) == 300
+
+
+def test_http_edge_cases_get_answers_not_hangs(tmp_path: Path) -> None:
+    import http.client
+
+    cfg = RunConfig(mode="dualpath", store_root=str(tmp_path), launch="thread",
+                    num_prefill_nodes=1, num_decode_nodes=1, engines_per_node=1,
+                    hbm_bytes=32 * MiB, transfer_kind="shm", block_size=16)
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
+        srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        host, port = str(srv.server_address[0]), int(srv.server_address[1])
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        # An unknown route's body is not read: the connection closes rather than parse it.
+        conn.request("POST", "/v1/nothing", body=b'{"x": 1}')
+        r = conn.getresponse()
+        assert r.status == 404 and r.getheader("Connection") == "close"
+        r.read()
+        conn.close()
+        for headers, body, status in (
+            ({"Content-Length": "-5"}, None, 400),
+            ({}, b"[" * 100_000 + b"]" * 100_000, 400),  # too deep for the JSON parser
+            ({}, b'{"prompt": [1, 2], "temperature": NaN}', 400),
+            ({}, b'{"prompt": [1, 2], "stream_options": {"include_usage": true}}', 400),
+        ):
+            c = http.client.HTTPConnection(host, port, timeout=30)
+            c.request("POST", "/v1/completions", body=body, headers=headers)
+            resp = c.getresponse()
+            assert resp.status == status, (headers, body and body[:40])
+            assert "error" in json.loads(resp.read())
+            c.close()
+        # A tiny temperature is greedy: the same reply as temperature 0.
+        replies = {get(f"http://{host}:{port}/v1/completions",
+                       {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": t,
+                        "ignore_eos": True})[1]["choices"][0]["text"]  # type: ignore[index]
+                   for t in (0, 1e-300)}
+        assert len(replies) == 1
+        srv.shutdown()
+        srv.server_close()
