@@ -15,7 +15,11 @@ follow-ups, the share of prompt tokens served from storage; and the ratios Basic
 Oracle / DualPath of the wall times (same process, same run). Emulated hardware: the NIC rates
 are software limits on this machine.
 
-Run: `.venv/bin/python benchmarks/bench_serve.py` (about a minute on 2 cores).
+Last, the API's own cost: the same short greedy requests one at a time, through
+`ServingEngine.generate` (the baseline) and through HTTP with SSE, in Oracle mode (no emulated
+NIC paces them); medians and their ratio.
+
+Run: `.venv/bin/python benchmarks/bench_serve.py` (about a minute and a half on 2 cores).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from dualpath.runtime.cluster import RunConfig
 from dualpath.runtime.node import ModelSource, model_tokenizer
-from dualpath.serve import ServingEngine, make_server
+from dualpath.serve import GenerateRequest, ServingEngine, make_server
 
 MiB = 2**20
 FIRST_PROMPT = 1000
@@ -103,6 +107,48 @@ def run_mode(mode: str, clients: int, turns: int) -> dict[str, float]:
                     "cached": stats.num_cached_tokens / max(1, stats.num_prompt_tokens)}
 
 
+def api_overhead(num_requests: int) -> dict[str, float]:
+    """Per-request latency of the same short greedy requests (8 prompt tokens, 8 generated)
+    submitted one at a time through `ServingEngine.generate` (the baseline) and through the
+    HTTP API (JSON in, SSE out), in Oracle mode so no emulated NIC paces them: what HTTP,
+    JSON and the event stream add to a request."""
+    with tempfile.TemporaryDirectory(prefix="bench-serve-api-") as store:
+        cfg = RunConfig(mode="oracle", store_root=store, launch="thread", num_prefill_nodes=1,
+                        num_decode_nodes=1, engines_per_node=1, hbm_bytes=64 * MiB,
+                        transfer_kind="shm")
+        with ServingEngine(cfg, _TOKENIZER, "tiny", request_timeout_s=300) as engine:
+            server = make_server(engine, "127.0.0.1", 0, is_logging=False)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            host, port = server.server_address[:2]
+            address = f"http://{host!s}:{port}"
+            prompts = [[3 + k, 4, 5, 6, 7, 8, 9, 10] for k in range(num_requests)]
+
+            def direct(p: list[int]) -> float:
+                t = time.perf_counter()
+                engine.generate(GenerateRequest(tuple(p), GEN * 2, temperature=0,
+                                                is_ignore_eos=True)).result()
+                return time.perf_counter() - t
+
+            def http(p: list[int]) -> float:
+                t = time.perf_counter()
+                body = {"prompt": p, "max_tokens": GEN * 2, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                req = urllib.request.Request(f"{address}/v1/completions",
+                                             data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    r.read()
+                return time.perf_counter() - t
+
+            direct(prompts[0])  # warm-up
+            http(prompts[0])
+            d = statistics.median(direct(p) for p in prompts)
+            h = statistics.median(http(p) for p in prompts)
+            server.shutdown()
+            server.server_close()
+            return {"direct_s": d, "http_s": h}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=6, help="concurrent conversations")
@@ -131,6 +177,11 @@ def main() -> None:
                               for o, d in zip(results["oracle"], results["dualpath"], strict=True))
     print(f"  oracle / dualpath wall time: {reach:.2f} (DualPath reaches {reach:.0%} of the "
           "I/O-free oracle)")
+    over = api_overhead(20)
+    d_ms, h_ms = over["direct_s"] * 1e3, over["http_s"] * 1e3
+    print(f"API overhead (oracle, 1P1D, one request at a time, medians of 20): {d_ms:.1f} ms "
+          f"per request through ServingEngine.generate, {h_ms:.1f} ms through HTTP + SSE "
+          f"({h_ms / d_ms:.2f}x, +{h_ms - d_ms:.1f} ms)")
 
 
 if __name__ == "__main__":
