@@ -409,6 +409,16 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     estimator = make_estimator(cfg.estimator, model) if cfg.is_prefill else None
     if estimator is not None:
         ctx.estimator_desc = describe(estimator)
+    # Engines (a DE's KV cache is its share of engine memory, touched on allocation) are
+    # built before the node reports up, so the run's first requests do not wait for them.
+    engines: list[Engine] = []
+    for i in range(cfg.num_engines):
+        engine_id = cfg.first_engine_id + i
+        if cfg.is_prefill:
+            assert estimator is not None
+            engines.append(PrefillEngine(ctx, engine_id, model, estimator))
+        else:
+            engines.append(DecodeEngine(ctx, engine_id, model))
     ctx.send(None, NodeUp(cfg.node, ctx.transfer.local_info()))
     while True:
         msg = inbox.get()
@@ -419,14 +429,6 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
         if isinstance(msg, Shutdown):
             ctx.send(None, ctx.stats())
             return
-    engines: list[Engine] = []
-    for i in range(cfg.num_engines):
-        engine_id = cfg.first_engine_id + i
-        if cfg.is_prefill:
-            assert estimator is not None
-            engines.append(PrefillEngine(ctx, engine_id, model, estimator))
-        else:
-            engines.append(DecodeEngine(ctx, engine_id, model))
     threads = [threading.Thread(target=_guard(ctx, e.run), daemon=True) for e in engines]
     threads.append(threading.Thread(target=_guard(ctx, lambda: _reader_loop(ctx)), daemon=True))
     threads.append(threading.Thread(target=_guard(ctx, lambda: _writer_loop(ctx)), daemon=True))
