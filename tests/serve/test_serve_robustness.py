@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -29,12 +30,14 @@ def get(url: str, body: object = None) -> tuple[int, dict[str, object]]:
 
 
 def test_a_failed_node_fails_the_request_and_the_server_reports_it(tmp_path: Path) -> None:
+    # No restarts allowed: the server stays failed.
     cfg = RunConfig(
         mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
         num_decode_nodes=1, engines_per_node=1, buffer_bytes=4 * 16 * 1024, hbm_bytes=32 * MiB,
         transfer_kind="shm", block_size=16,
     )
-    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
+                       max_restarts=0) as engine:
         srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         host, port = srv.server_address[:2]
@@ -111,3 +114,30 @@ def test_http_edge_cases_get_answers_not_hangs(tmp_path: Path) -> None:
         assert len(replies) == 1
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: Path) -> None:
+    cfg = RunConfig(
+        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
+        num_decode_nodes=1, engines_per_node=1, buffer_bytes=16 * 16 * 1024, hbm_bytes=32 * MiB,
+        transfer_kind="shm", block_size=16,
+    )
+    logs: list[str] = []
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
+                       max_restarts=1, log=logs.append) as engine:
+        first = tuple(range(100, 180))  # 5 blocks, persisted once served
+        before = engine.generate(GenerateRequest(first, 4, temperature=0, is_ignore_eos=True))
+        reply = before.result().output_ids
+        crash = engine.generate(GenerateRequest(tuple(range(1, 400)), 4))  # no buffer holds it
+        with pytest.raises(ServeError, match="BufferFullError"):
+            crash.result()
+        deadline = time.monotonic() + 60
+        while not engine.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.is_healthy and engine.num_restarts == 1
+        assert any("restarting (1 of 1)" in m for m in logs), logs
+        after = engine.generate(GenerateRequest(first + reply + (7, 8), 4, temperature=0,
+                                                is_ignore_eos=True))
+        fin = after.result()
+        assert fin.cached_tokens >= 80  # read from the store the failed cluster wrote
+        assert len(fin.output_ids) == 4

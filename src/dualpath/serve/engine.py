@@ -24,7 +24,8 @@ from dualpath.runtime.tokenizer import Tokenizer
 
 
 class ServeError(DualPathError):
-    """The cluster cannot serve (it failed, is closed, or a request timed out)."""
+    """The cluster cannot serve (it failed and is restarting or out of restarts, is closed, or a
+    request timed out)."""
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,17 @@ class ServingEngine:
     """The cluster, a tokenizer, and the dispatcher thread; `close()` stops them all."""
 
     def __init__(self, cfg: RunConfig, tokenizer: Tokenizer, model_name: str,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, max_restarts: int = 3,
+                 log: Callable[[str], object] | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
+        self.max_restarts = max_restarts
+        """After a node or the scheduler fails, start a new cluster on the same store (its
+        persisted KV is kept), at most this many times; then the server stays failed."""
+        self.num_restarts = 0
+        self._log = log or (lambda _m: None)
         self.cluster = Cluster(cfg)
         if tokenizer.vocab_size > self.cluster.vocab_size:
             self.cluster.close()
@@ -194,7 +201,9 @@ class ServingEngine:
             if self._is_stopping.is_set():
                 raise ServeError("the server is shutting down")
             if self._failure is not None:
-                raise ServeError(f"the cluster failed: {self._failure}")
+                again = (" (restarting)" if self.num_restarts < self.max_restarts
+                         else "")
+                raise ServeError(f"the cluster failed: {self._failure}{again}")
             rid, hit = self.cluster.submit(
                 req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 seed=req.seed, is_ignore_eos=req.is_ignore_eos, is_streaming=req.is_streaming,
@@ -214,7 +223,9 @@ class ServingEngine:
                 msg = self.cluster.next_message(0.2)
             except RunError as exc:
                 self._fail(exc)
-                return
+                if not self._restart(exc):
+                    return
+                continue
             if msg is None:
                 continue
             with self._lock:
@@ -225,6 +236,30 @@ class ServingEngine:
                     self.stats.num_generated_tokens += len(msg.output_ids)
             if gen is not None:
                 gen._put(msg)
+
+    def _restart(self, exc: BaseException) -> bool:
+        """A new cluster on the same store in place of a failed one (the requests in flight
+        have failed); False when no restart is left or the server is stopping."""
+        if self.num_restarts >= self.max_restarts or self._is_stopping.is_set():
+            self._log(f"cluster failed: {exc}; not restarting")
+            return False
+        self.num_restarts += 1
+        self._log(f"cluster failed: {exc}; restarting ({self.num_restarts} of "
+                  f"{self.max_restarts}) on the same store")
+        self.cluster.close()
+        try:
+            cluster = Cluster(self.cfg)
+        except Exception as start_exc:  # the server stays failed, and says why
+            self._log(f"restart failed: {start_exc}")
+            with self._lock:
+                self._failure = start_exc
+                self.num_restarts = self.max_restarts
+            return False
+        with self._lock:
+            self.cluster = cluster
+            self._failure = None
+        self._log("cluster restarted")
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -238,7 +273,7 @@ class ServingEngine:
         if self._is_stopping.is_set():
             return
         self._is_stopping.set()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=330.0)  # a restart in progress finishes starting first
         self._fail(ServeError("the server shut down"))
         self.cluster.close()
 

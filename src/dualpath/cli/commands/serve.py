@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "outlives the server (default: a temp folder removed at exit)")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="fail a request with no result after S seconds (default: %(default)s)")
+    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="after a node or the scheduler fails, start a new cluster on the same "
+                   "store (its KV is kept) at most N times (default: %(default)s)")
     s.add_argument("--quiet", action="store_true", help="no per-request log lines")
     add_cluster_arguments(p, model="smollm2", prefill_nodes=1, decode_nodes=1,
                           buffer_help=f"DRAM buffer per node, MiB (default: "
@@ -60,6 +63,8 @@ def serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SpecError("serve", "port", args.port, "must be in [0, 65535]")
+    if args.max_restarts < 0:
+        raise SpecError("serve", "max_restarts", args.max_restarts, "must be >= 0")
     if args.request_timeout <= 0:
         raise SpecError("serve", "request_timeout", args.request_timeout, "must be > 0")
     source = _model_source(args)
@@ -72,7 +77,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"dualpath serve: starting {cfg.num_prefill_nodes}P{cfg.num_decode_nodes}D x "
               f"{cfg.engines_per_node} engines/node, model {name}, mode {cfg.mode} ...",
               file=sys.stderr, flush=True)
-        with ServingEngine(cfg, tokenizer, name, args.request_timeout) as engine:
+        def log(message: str) -> None:
+            print(f"dualpath serve: {message}", file=sys.stderr, flush=True)
+
+        with ServingEngine(cfg, tokenizer, name, args.request_timeout, args.max_restarts,
+                           log) as engine:
             server = make_server(engine, args.host, args.port, is_logging=not args.quiet)
             host, port = str(server.server_address[0]), int(server.server_address[1])
             print(f"dualpath serve: http://{host}:{port}/v1 (max {engine.max_sequence_tokens} "
