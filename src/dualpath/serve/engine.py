@@ -176,6 +176,7 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._is_stopping = threading.Event()
+        self._is_closed = False
         self._thread = threading.Thread(target=self._dispatch, name="dualpath-dispatch",
                                         daemon=True)
         self._thread.start()
@@ -247,6 +248,8 @@ class ServingEngine:
         self._log(f"cluster failed: {exc}; restarting ({self.num_restarts} of "
                   f"{self.max_restarts}) on the same store")
         self.cluster.close()
+        if self._is_stopping.is_set():
+            return False
         try:
             cluster = Cluster(self.cfg)
         except Exception as start_exc:  # the server stays failed, and says why
@@ -268,10 +271,17 @@ class ServingEngine:
         for gen in pending.values():
             gen._put(exc)
 
+    def begin_stop(self) -> None:
+        """Refuse new requests and never restart from now on (safe in a signal handler: a
+        Ctrl-C reaches the node processes too, and their deaths must not start a new
+        cluster)."""
+        self._is_stopping.set()
+
     def close(self) -> None:
         """Stop the dispatcher, fail what is still in flight, stop the cluster."""
-        if self._is_stopping.is_set():
+        if self._is_closed:
             return
+        self._is_closed = True
         self._is_stopping.set()
         self._thread.join(timeout=330.0)  # a restart in progress finishes starting first
         self._fail(ServeError("the server shut down"))

@@ -87,16 +87,18 @@ def serve(args: argparse.Namespace) -> int:
             print(f"dualpath serve: http://{host}:{port}/v1 (max {engine.max_sequence_tokens} "
                   f"tokens per sequence; store {store}); Ctrl-C stops", file=sys.stderr,
                   flush=True)
-            previous = signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly on `kill` too
+            def interrupt(signum: int, frame: object) -> None:
+                engine.begin_stop()  # before the nodes' deaths (same signal) look like faults
+                raise KeyboardInterrupt
+
+            previous = {sig: signal.signal(sig, interrupt)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 server.serve_forever()
             except KeyboardInterrupt:
                 print("dualpath serve: stopping", file=sys.stderr)
             finally:
-                signal.signal(signal.SIGTERM, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
                 server.server_close()
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
