@@ -141,3 +141,49 @@ def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: 
         fin = after.result()
         assert fin.cached_tokens >= 80  # read from the store the failed cluster wrote
         assert len(fin.output_ids) == 4
+
+
+def test_a_killed_node_process_is_noticed_under_traffic_and_replaced(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    cfg = RunConfig(
+        mode="dualpath", store_root=str(tmp_path), launch="process", num_prefill_nodes=1,
+        num_decode_nodes=2, engines_per_node=1, buffer_bytes=64 * 16 * 1024, hbm_bytes=32 * MiB,
+        transfer_kind="shm", block_size=16,
+    )
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
+                       max_restarts=1) as engine:
+
+        def client(k: int) -> None:  # keeps messages flowing to the driver all the time
+            while not stop.is_set():
+                try:
+                    engine.generate(GenerateRequest(tuple(range(1 + k, 30 + k)), 200,
+                                                    is_streaming=True,
+                                                    is_ignore_eos=True)).result()
+                    outcomes.append("ok")
+                except ServeError:
+                    outcomes.append("failed")
+                    time.sleep(0.1)
+
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
+        for t in clients:
+            t.start()
+        time.sleep(2.0)
+        os.kill(engine.cluster._procs[2].pid, signal.SIGKILL)  # a decode node
+        deadline = time.monotonic() + 60
+        while engine.num_restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        noticed = 60 - (deadline - time.monotonic())
+        assert engine.num_restarts == 1 and noticed < 10
+        while not engine.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        n_before = outcomes.count("ok")
+        time.sleep(2.0)
+        stop.set()
+        for t in clients:
+            t.join(timeout=60)
+        assert engine.is_healthy and outcomes.count("ok") > n_before  # served again

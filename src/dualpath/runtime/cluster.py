@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
+import multiprocessing.queues
 import os
 import queue
 import threading
@@ -344,6 +345,7 @@ class Cluster:
         self._is_closed = False
         self.failure_traceback = ""
         self._failed_nodes: set[int] = set()
+        self._next_liveness_check = 0.0
         """Traceback of the node failure that aborted the run, if any (for debugging)."""
         self._num_fetches = 0
         is_process = cfg.launch == "process"
@@ -417,6 +419,11 @@ class Cluster:
     def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:
         deadline = time.monotonic() + timeout_s
         while True:
+            # On a clock, not only when the queue is idle: under steady traffic from the
+            # other nodes a killed one must still be noticed within a second.
+            if time.monotonic() >= self._next_liveness_check:
+                self._next_liveness_check = time.monotonic() + _LIVENESS_POLL_S
+                self._raise_if_a_process_died()
             try:
                 # Short waits: a process that dies before it can report (a crash while
                 # starting, a kill) is noticed within a second, not at the timeout.
@@ -445,6 +452,9 @@ class Cluster:
         for p, who in [(self._scheduler, "scheduler"),
                        *((p, f"node {n}") for n, p in enumerate(self._procs))]:
             if isinstance(p, mp.process.BaseProcess) and p.exitcode is not None:
+                # Recorded, so `close` does not wait for stats it can never get.
+                self._failed_nodes.add(SCHEDULER_NODE if p is self._scheduler
+                                       else self._procs.index(p))
                 raise RunError(f"{who} process exited with code {p.exitcode} before reporting "
                                "(see its output above)")
 
@@ -585,7 +595,8 @@ class Cluster:
         """End a submitted request early (thread-safe). Its `TurnDone` still comes, with the
         tokens generated so far (none if no engine had it yet); a request already done is
         left alone."""
-        self._sched_q.put(Cancel(request_id))
+        if not self._is_closed:
+            self._sched_q.put(Cancel(request_id))
 
     def next_message(self, timeout_s: float) -> TurnDone | TurnTokens | None:
         """The next `TurnDone` or `TurnTokens`, or None after `timeout_s`; RunError when a
@@ -631,11 +642,20 @@ class Cluster:
                     break
                 if msg is None:
                     break
+        if not is_sched_alive:
+            # Nodes whose last message goes to a dead scheduler's full queue cannot exit on
+            # their own: give them a moment, then terminate them.
+            deadline = min(deadline, time.monotonic() + 2.0)
         for p in [*self._procs, self._scheduler]:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if isinstance(p, mp.process.BaseProcess) and p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        readers = [(SCHEDULER_NODE, self._sched_q), *self._inboxes.items()]
+        for n, q in readers:
+            if n in self._failed_nodes and isinstance(q, mp.queues.Queue):
+                # Messages a dead reader never took must not block this process's exit.
+                q.cancel_join_thread()
         return [stats[n] for n in sorted(stats)]
 
     def _next_msg(self, deadline: float) -> Message | None:

@@ -24,6 +24,7 @@ the driver what the driver needs and answers the fetches itself.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from dataclasses import dataclass, field
 
 from dualpath.runtime.transfer import SegmentInfo
@@ -254,3 +255,10 @@ Message = (
     | Shutdown
     | NodeFailed
 )
+
+
+def is_parent_gone() -> bool:
+    """In a node or scheduler process: the process that started it has died (killed without
+    a chance to send Shutdown), so nobody will read what it sends; False in a thread."""
+    parent = mp.parent_process()
+    return parent is not None and not parent.is_alive()

@@ -50,6 +50,7 @@ from dualpath.runtime.messages import (
     PrefillTask,
     RemoteCharge,
     Shutdown,
+    is_parent_gone,
 )
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager, sleep_until
@@ -421,7 +422,12 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
             engines.append(DecodeEngine(ctx, engine_id, model))
     ctx.send(None, NodeUp(cfg.node, ctx.transfer.local_info()))
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            if is_parent_gone():
+                return
+            continue
         if isinstance(msg, Peers):
             for seg in msg.segments:
                 ctx.transfer.connect(seg)
@@ -434,58 +440,74 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
     threads.append(threading.Thread(target=_guard(ctx, lambda: _writer_loop(ctx)), daemon=True))
     for t in threads:
         t.start()
-    by_request: dict[int, Engine] = {}
-    is_fetch_out = False
-    next_fetch_at = 0.0
-    pending: deque[Message] = deque()
-    early: dict[int, list[Message]] = defaultdict(list)
-    while True:
-        if ctx.failure:
-            raise _NodeThreadFailed(*ctx.failure[0])
-        now = time.monotonic()
-        if not is_fetch_out and now >= next_fetch_at:
-            # read_q is a node value: every engine reports the same snapshot of it.
-            read_q = ctx.read_q_tokens
-            loads = tuple(replace(e.load(), read_q_tokens=read_q) for e in engines)
-            ctx.send(None, Fetch(cfg.node, loads))
-            is_fetch_out = True
-        try:
-            msg = pending.popleft() if pending else inbox.get(timeout=cfg.fetch_interval_s)
-        except queue.Empty:
-            continue
-        if isinstance(msg, Shutdown):
-            break
-        if isinstance(msg, Fetched):
-            is_fetch_out = False
-            next_fetch_at = time.monotonic() + cfg.fetch_interval_s
-            for task in (*msg.prefill, *msg.decode):
-                assert isinstance(task, PrefillTask | DecodeTask)
-                engine_id = task.pe_engine if isinstance(task, PrefillTask) else task.de_engine
-                engine = engines[ctx.engine_index(engine_id)]
-                by_request[task.request_id] = engine
-                engine.on_message(task)
-                # A peer may have answered before our own fetch brought the task.
-                pending.extend(early.pop(task.request_id, []))
-            continue
-        if isinstance(msg, RemoteCharge):
-            i = ctx.engine_index(msg.engine_id)
-            nic = ctx.nics.compute_rx if msg.port == "rx" else ctx.nics.compute_tx
-            nic[i].reserve(msg.num_bytes)
-            continue
-        request_id = getattr(msg, "request_id", None)
-        if request_id is None:
-            raise RuntimeError(f"node {cfg.node}: unexpected message {msg!r}")
-        if request_id not in by_request:
-            early[request_id].append(msg)
-            continue
-        by_request[request_id].on_message(msg)
-    for e in engines:
-        e.stop()
-    ctx.read_queue.put(None)
-    ctx.write_queue.put(None)
-    for t in threads:
-        t.join(timeout=10.0)
+    is_clean = False
+    try:
+        by_request: dict[int, Engine] = {}
+        is_fetch_out = False
+        next_fetch_at = 0.0
+        pending: deque[Message] = deque()
+        early: dict[int, list[Message]] = defaultdict(list)
+        next_parent_check = time.monotonic() + _PARENT_POLL_S
+        while True:
+            if ctx.failure:
+                raise _NodeThreadFailed(*ctx.failure[0])
+            now = time.monotonic()
+            if not is_fetch_out and now >= next_fetch_at:
+                # read_q is a node value: every engine reports the same snapshot of it.
+                read_q = ctx.read_q_tokens
+                loads = tuple(replace(e.load(), read_q_tokens=read_q) for e in engines)
+                ctx.send(None, Fetch(cfg.node, loads))
+                is_fetch_out = True
+            try:
+                msg = pending.popleft() if pending else inbox.get(timeout=cfg.fetch_interval_s)
+            except queue.Empty:
+                if time.monotonic() >= next_parent_check:
+                    next_parent_check = time.monotonic() + _PARENT_POLL_S
+                    if is_parent_gone():
+                        return  # orphaned: nobody will ever send Shutdown
+                continue
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, Fetched):
+                is_fetch_out = False
+                next_fetch_at = time.monotonic() + cfg.fetch_interval_s
+                for task in (*msg.prefill, *msg.decode):
+                    assert isinstance(task, PrefillTask | DecodeTask)
+                    engine_id = (task.pe_engine if isinstance(task, PrefillTask)
+                                 else task.de_engine)
+                    engine = engines[ctx.engine_index(engine_id)]
+                    by_request[task.request_id] = engine
+                    engine.on_message(task)
+                    # A peer may have answered before our own fetch brought the task.
+                    pending.extend(early.pop(task.request_id, []))
+                continue
+            if isinstance(msg, RemoteCharge):
+                i = ctx.engine_index(msg.engine_id)
+                nic = ctx.nics.compute_rx if msg.port == "rx" else ctx.nics.compute_tx
+                nic[i].reserve(msg.num_bytes)
+                continue
+            request_id = getattr(msg, "request_id", None)
+            if request_id is None:
+                raise RuntimeError(f"node {cfg.node}: unexpected message {msg!r}")
+            if request_id not in by_request:
+                early[request_id].append(msg)
+                continue
+            by_request[request_id].on_message(msg)
+        is_clean = True
+    finally:
+        # Also when the loop fails: a node thread of a failed node must not live on (with
+        # its engine memory) in a process that carries on, as a server that restarts does.
+        for e in engines:
+            e.stop()
+        ctx.read_queue.put(None)
+        ctx.write_queue.put(None)
+        for t in threads:
+            t.join(timeout=10.0 if is_clean else 1.0)
     ctx.send(None, ctx.stats())
+
+
+_PARENT_POLL_S = 1.0
+"""How often an idle node checks that its driver process still lives."""
 
 
 class _NodeThreadFailed(Exception):

@@ -44,6 +44,7 @@ from dualpath.runtime.messages import (
     Submitted,
     TurnDone,
     TurnTokens,
+    is_parent_gone,
 )
 from dualpath.sched import (
     de_global_drain,
@@ -375,8 +376,10 @@ def _serve(
     while True:
         msg: Message | None
         try:
-            msg = inbox.get(timeout=max_park_s / 2 if parked else None)
+            msg = inbox.get(timeout=max_park_s / 2 if parked else 1.0)
         except queue.Empty:
+            if not parked and is_parent_gone():
+                return  # orphaned: the driver died without sending Shutdown
             msg = None
         if isinstance(msg, Shutdown):
             driver.put(SchedulerStats(sched.num_fetches))

@@ -177,6 +177,7 @@ class ServingEngine:
         self._failure: BaseException | None = None
         self._is_stopping = threading.Event()
         self._is_closed = False
+        self._is_restarting = False
         self._thread = threading.Thread(target=self._dispatch, name="dualpath-dispatch",
                                         daemon=True)
         self._thread.start()
@@ -202,8 +203,7 @@ class ServingEngine:
             if self._is_stopping.is_set():
                 raise ServeError("the server is shutting down")
             if self._failure is not None:
-                again = (" (restarting)" if self.num_restarts < self.max_restarts
-                         else "")
+                again = " (restarting)" if self._is_restarting else ""
                 raise ServeError(f"the cluster failed: {self._failure}{again}")
             rid, hit = self.cluster.submit(
                 req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -245,6 +245,7 @@ class ServingEngine:
             self._log(f"cluster failed: {exc}; not restarting")
             return False
         self.num_restarts += 1
+        self._is_restarting = True
         self._log(f"cluster failed: {exc}; restarting ({self.num_restarts} of "
                   f"{self.max_restarts}) on the same store")
         self.cluster.close()
@@ -256,11 +257,17 @@ class ServingEngine:
             self._log(f"restart failed: {start_exc}")
             with self._lock:
                 self._failure = start_exc
-                self.num_restarts = self.max_restarts
+                self._is_restarting = False
             return False
         with self._lock:
-            self.cluster = cluster
-            self._failure = None
+            if not self._is_stopping.is_set():
+                self.cluster, cluster = cluster, self.cluster
+                self._failure = None
+                self._is_restarting = False
+        # The failed cluster, closed already, or the new one if a stop came meanwhile.
+        cluster.close()
+        if self._is_stopping.is_set():
+            return False
         self._log("cluster restarted")
         return True
 
