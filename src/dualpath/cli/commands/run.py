@@ -86,8 +86,10 @@ def add_cluster_arguments(
         "folder (default: %(default)s)",
     )
     g.add_argument("--model-seed", type=int, default=0, help="seed of the tiny model")
-    g.add_argument("--prefill-nodes", type=int, default=prefill_nodes, metavar="P")
-    g.add_argument("--decode-nodes", type=int, default=decode_nodes, metavar="D")
+    g.add_argument("--prefill-nodes", type=int, default=prefill_nodes, metavar="P",
+                   help="prefill nodes (default: %(default)s)")
+    g.add_argument("--decode-nodes", type=int, default=decode_nodes, metavar="D",
+                   help="decode nodes (default: %(default)s)")
     g.add_argument(
         "--hardware",
         default="cpu-emulated",

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API on the emulated cluster",
-        description=(
+        description=textwrap.fill(
             "Start an emulated PD-disaggregated cluster on this machine (as `dualpath run` "
             "does: nodes are processes, NIC bandwidths are emulated, KV blocks move as real "
             "bytes through storage, DRAM buffers and engines) and serve it over HTTP: "
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "follow-up turn that extends an earlier conversation reads those blocks from "
             "storage (usage.prompt_tokens_details.cached_tokens) on the path the scheduler "
             "picks. Chat prompts use the model's own chat template (the GGUF's or "
-            "tokenizer_config.json's; ChatML for the tiny model). Ctrl-C stops."
+            "tokenizer_config.json's; ChatML for the tiny model). Ctrl-C stops.",
+            width=78,
         ),
         epilog="example: dualpath serve --port 8000, then\n  curl localhost:8000/v1/chat/"
         "completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": "
