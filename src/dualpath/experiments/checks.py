@@ -167,8 +167,8 @@ def fig3(ctx: Context) -> Section:
         ours_x = (times[1] - var) / var
         # Without layerwise prefill a PE's HBM holds the whole KV of its pass: weights (MoE
         # sharded over the prefill side, as in the simulator) and the reserve come off first.
-        weights = model.weight_bytes / (cl.num_prefill_engines if model.is_moe else 1)
-        room = hw.hbm_bytes * (1.0 - coeffs.hbm_reserve_fraction) - weights
+        room = costmod.kv_room_bytes(model, hw, coeffs.hbm_reserve_fraction,
+                                     cl.num_prefill_engines)
         per_req = (CONTEXT_TOKENS + APPEND_TOKENS) * model.kv_bytes_per_token
         fits = max(0, int(room // per_req))
         for b in BATCHES:

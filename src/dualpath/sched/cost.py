@@ -252,6 +252,15 @@ def prefill_step_time_s(
     )
 
 
+def kv_room_bytes(
+    model: ModelSpec, hw: HardwareSpec, reserve_fraction: float, num_weight_shards: int
+) -> float:
+    """HBM one engine has left for KV: its capacity less the reserve and its weights (MoE
+    weights sharded over `num_weight_shards` engines, dense weights replicated)."""
+    w = model.weight_bytes / num_weight_shards if model.is_moe else model.weight_bytes
+    return max(0.0, hw.hbm_bytes * (1.0 - reserve_fraction) - w)
+
+
 def _indexer_key_bytes_per_layer(model: ModelSpec) -> float:
     # Same layout as core.model: FP8 indexer key plus one fp32 scale per token per layer.
     return float(model.dsa_index_head_dim + 4) if model.dsa_top_k else 0.0

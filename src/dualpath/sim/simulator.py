@@ -115,10 +115,7 @@ class Simulator:
         # as DeepSeek-V3.2 needs: 671 GB of FP8 weights do not fit one node's 8 x 80 GB);
         # dense weights are replicated per engine.
         def kv_room(num_engines: int) -> float:
-            w = self.model.weight_bytes
-            if self.model.is_moe:
-                w /= num_engines
-            return max(0.0, self.hw.hbm_bytes * (1.0 - self.hbm_reserve) - w)
+            return costmod.kv_room_bytes(self.model, self.hw, self.hbm_reserve, num_engines)
 
         def ep_group(size: int, side: int) -> int:  # 0, or more than the side: the whole side
             return min(size or side, side)
