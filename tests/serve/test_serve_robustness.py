@@ -1,5 +1,6 @@
-"""A cluster failure while serving: the request in flight fails, later ones get 503, and
-/health says the server is unavailable (tiny model, node threads)."""
+"""Serving through faults: a failed node (the request in flight fails, later ones get 503,
+/health says so), a restart that keeps the store's KV, a full buffer, a node process killed
+under traffic, HTTP edge cases (tiny model)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,19 +33,34 @@ def get(url: str, body: object = None) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+def tiny_cluster(tmp_path: Path, **fields: Any) -> RunConfig:
+    """An emulated 1P1D cluster of one-engine nodes (threads) serving the tiny model."""
+    base: dict[str, Any] = dict(
+        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
+        num_decode_nodes=1, engines_per_node=1, hbm_bytes=32 * MiB, transfer_kind="shm",
+        block_size=16,
+    )
+    return RunConfig(**{**base, **fields})
+
+
+@contextmanager
+def http_server(engine: ServingEngine) -> Iterator[tuple[str, int]]:
+    """The API over `engine` on a free loopback port: yields (host, port)."""
+    srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield str(srv.server_address[0]), int(srv.server_address[1])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_failed_node_fails_the_request_and_the_server_reports_it(tmp_path: Path) -> None:
     # No restarts allowed: the server stays failed.
-    cfg = RunConfig(
-        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
-        num_decode_nodes=1, engines_per_node=1, buffer_bytes=4 * 16 * 1024, hbm_bytes=32 * MiB,
-        transfer_kind="shm", block_size=16,
-    )
+    cfg = tiny_cluster(tmp_path, buffer_bytes=4 * 16 * 1024)
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
-                       max_restarts=0) as engine:
-        srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        host, port = srv.server_address[:2]
-        base = f"http://{host!s}:{port}"
+                       max_restarts=0) as engine, http_server(engine) as (host, port):
+        base = f"http://{host}:{port}"
         assert get(f"{base}/health") == (200, {"status": "ok"})
         # The API refuses a prompt no node buffer holds (4 slots of 16 tokens)...
         status, err = get(f"{base}/v1/completions", {"prompt": list(range(1, 100))})
@@ -53,19 +72,13 @@ def test_a_failed_node_fails_the_request_and_the_server_reports_it(tmp_path: Pat
         assert get(f"{base}/health")[0] == 503
         status, err = get(f"{base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
         assert status == 503 and "failed" in str(err["error"])
-        srv.shutdown()
-        srv.server_close()
 
 
 def test_a_full_buffer_defers_persistence_instead_of_deadlocking(tmp_path: Path) -> None:
     # An 8-slot decode buffer: request B's prompt takes every slot while it waits for the
     # decode engine to admit it, and the engine's running request A completes blocks that
     # want a slot to be persisted. A must not wait for a slot (B waits for A's engine).
-    cfg = RunConfig(
-        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
-        num_decode_nodes=1, engines_per_node=1, buffer_bytes=8 * 16 * 1024, hbm_bytes=32 * MiB,
-        transfer_kind="shm", block_size=16, compute_nic_bytes_per_s=1e6,
-    )
+    cfg = tiny_cluster(tmp_path, buffer_bytes=8 * 16 * 1024, compute_nic_bytes_per_s=1e6)
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
         a = engine.generate(GenerateRequest(tuple(range(3, 19)), 300, temperature=0,
                                             is_streaming=True, is_ignore_eos=True))
@@ -80,13 +93,8 @@ def test_a_full_buffer_defers_persistence_instead_of_deadlocking(tmp_path: Path)
 def test_http_edge_cases_get_answers_not_hangs(tmp_path: Path) -> None:
     import http.client
 
-    cfg = RunConfig(mode="dualpath", store_root=str(tmp_path), launch="thread",
-                    num_prefill_nodes=1, num_decode_nodes=1, engines_per_node=1,
-                    hbm_bytes=32 * MiB, transfer_kind="shm", block_size=16)
-    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
-        srv = make_server(engine, "127.0.0.1", 0, is_logging=False)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        host, port = str(srv.server_address[0]), int(srv.server_address[1])
+    with ServingEngine(tiny_cluster(tmp_path), model_tokenizer(ModelSource("tiny")), "tiny",
+                       60) as engine, http_server(engine) as (host, port):
         conn = http.client.HTTPConnection(host, port, timeout=30)
         # An unknown route's body is not read: the connection closes rather than parse it.
         conn.request("POST", "/v1/nothing", body=b'{"x": 1}')
@@ -112,16 +120,10 @@ def test_http_edge_cases_get_answers_not_hangs(tmp_path: Path) -> None:
                         "ignore_eos": True})[1]["choices"][0]["text"]  # type: ignore[index]
                    for t in (0, 1e-300)}
         assert len(replies) == 1
-        srv.shutdown()
-        srv.server_close()
 
 
 def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: Path) -> None:
-    cfg = RunConfig(
-        mode="dualpath", store_root=str(tmp_path), launch="thread", num_prefill_nodes=1,
-        num_decode_nodes=1, engines_per_node=1, buffer_bytes=16 * 16 * 1024, hbm_bytes=32 * MiB,
-        transfer_kind="shm", block_size=16,
-    )
+    cfg = tiny_cluster(tmp_path, buffer_bytes=16 * 16 * 1024)
     logs: list[str] = []
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
                        max_restarts=1, log=logs.append) as engine:
@@ -147,11 +149,8 @@ def test_a_killed_node_process_is_noticed_under_traffic_and_replaced(tmp_path: P
     import os
     import signal
 
-    cfg = RunConfig(
-        mode="dualpath", store_root=str(tmp_path), launch="process", num_prefill_nodes=1,
-        num_decode_nodes=2, engines_per_node=1, buffer_bytes=64 * 16 * 1024, hbm_bytes=32 * MiB,
-        transfer_kind="shm", block_size=16,
-    )
+    cfg = tiny_cluster(tmp_path, launch="process", num_decode_nodes=2,
+                       buffer_bytes=64 * 16 * 1024)
     stop = threading.Event()
     outcomes: list[str] = []
 

@@ -557,8 +557,8 @@ class Cluster:
         if not prompt:
             raise SpecError("request", "prompt", 0, "needs at least one token")
         positive_int("request", "max_tokens", max_tokens)
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
             raise SpecError("request", "prompt", bad,
                             f"token ids must be in [0, {self.vocab_size})")
         if len(prompt) + max_tokens > self.max_sequence_tokens:
