@@ -33,7 +33,6 @@ from itertools import pairwise
 from dualpath.core.model import ModelSpec, model_preset
 from dualpath.experiments import plots
 from dualpath.experiments.report import Context, Section, md_table, write_csv
-from dualpath.experiments.runner import RunSpec
 from dualpath.experiments.setups import setup
 from dualpath.sched import cost as costmod
 
@@ -157,8 +156,7 @@ def fig3(ctx: Context) -> Section:
     summary: list[list[object]] = []
     effs: list[tuple[float, float]] = []
     for name in setups:
-        cfg = RunSpec(name, "basic", 1).config()
-        cl = cfg.cluster
+        cl = setup(name).cluster()
         model, hw = cl.model, cl.hardware
         coeffs = costmod.coefficients_for(model, hw)
         times = {b: costmod.prefill_step_time_s(model, hw, [pair] * b, coeffs) for b in BATCHES}
