@@ -365,3 +365,28 @@ def test_sequence_cap_per_decode_engine_limits_concurrency_like_a_smaller_hbm() 
     # The cap of the cost coefficients (what calibration fits) reaches the scheduler the same way.
     by_coeff = _run(cluster, wl, "oracle", cost_overrides=(("max_seqs_per_decode_engine", 6),))
     assert by_coeff.jct_s == capped.jct_s
+
+
+def test_basic_reads_wait_for_pe_hbm_room_for_the_whole_prompt() -> None:
+    """Without layerwise prefill a PE-side read lands in its engine's HBM, which holds the
+    request's whole KV until it has left for the DE; layerwise reads hold none."""
+    kv = model_preset("ds-27b").kv_bytes_per_token
+    largest = int(IO_BOUND.prompt_tokens.max()) * kv
+    hw = hardware_preset("h800-deepseek")
+    weights = model_preset("ds-27b").weight_bytes / hw.gpus_per_node  # EP over the one PE node
+    room = 2.5 * largest
+    small = hw.with_overrides(name="small-hbm", hbm_bytes=int((room + weights) / 0.9))
+    cl = ClusterSpec(small, model_preset("ds-27b"), 1, 1)
+    for mode, gated in (("basic", True), ("layerwise", False)):
+        sim = Simulator(SimConfig(cl, IO_BOUND, driver=Driver(num_agents=IO_BOUND.num_agents),
+                                  params=SimParams(hbm_reserve_fraction=0.1)).with_mode(mode))
+        assert sim.pe_hbm_kv_bytes == pytest.approx(room, rel=1e-6)
+        result = sim.run()
+        assert result.num_completed == IO_BOUND.num_turns
+        pes = [e for e in sim.engines if sim.nodes[e.node].is_prefill]
+        assert all(e.held_kv_bytes == pytest.approx(0.0, abs=1.0) for e in pes)
+        peak = max(e.peak_held_kv_bytes for e in pes)
+        if gated:
+            assert room - largest < peak <= room  # the limit was reached, never passed
+        else:
+            assert peak == 0.0

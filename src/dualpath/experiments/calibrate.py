@@ -95,14 +95,18 @@ def fit_log_least_squares(
     *,
     step: float = 0.15,
     num_iters: int = 2,
+    lower: Sequence[float] | None = None,
 ) -> FitTrace:
-    """Minimize sum of `ln(evaluate(x)_i / targets_i)^2` over log-parameters `x <= upper`.
+    """Minimize sum of `ln(evaluate(x)_i / targets_i)^2` over log-parameters
+    `lower <= x <= upper` (no lower bound if None).
 
     `evaluate` maps log-parameters to positive predictions, one per target. Each iteration costs
     `len(x) + 1` evaluations; a step that does not lower the cost is halved once, then dropped.
     """
     t = np.log(np.asarray(targets, dtype=np.float64))
     ub = np.asarray(upper, dtype=np.float64)
+    lb = (np.full(len(ub), -np.inf) if lower is None
+          else np.asarray(lower, dtype=np.float64))
     num_evals = 0
 
     def resid(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -127,7 +131,7 @@ def fit_log_least_squares(
         damping = 1e-3 * float(np.trace(jtj)) + 1e-12
         delta = np.linalg.solve(jtj + damping * np.eye(len(x)), -jac.T @ r)
         for scale in (1.0, 0.5):
-            cand = np.minimum(x + scale * delta, ub)
+            cand = np.clip(x + scale * delta, lb, ub)
             rc = resid(cand)
             if float(rc @ rc) < float(r @ r):
                 x, r = cand, rc

@@ -20,8 +20,15 @@ from dualpath.experiments.extensions import split_reads, table3
 from dualpath.experiments.notes import DIFFERENCES
 from dualpath.experiments.offline import ablation, fig7, fig8, fig9
 from dualpath.experiments.online import fig10_11
-from dualpath.experiments.report import Context, Section, md_table, write_report
-from dualpath.experiments.sensitivity import storage_rate
+from dualpath.experiments.report import (
+    Context,
+    Section,
+    claims_markdown,
+    md_table,
+    write_claims,
+    write_report,
+)
+from dualpath.experiments.sensitivity import storage_section
 
 Experiment = Callable[[Context], Section]
 
@@ -30,7 +37,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "table1": table1,
     "fig3": fig3,
     "fig7": fig7,
-    "storage-rate": storage_rate,
+    "storage": storage_section,
     "fig12": ablation,
     "fig8": fig8,
     "fig9": fig9,
@@ -41,8 +48,8 @@ EXPERIMENTS: dict[str, Experiment] = {
 """In report order. `fig12` covers the ablation and Figs. 13-14; `fig10` covers Fig. 11 and the
 Fig. 12 TTFT breakdown."""
 
-ALIASES = {"fig11": "fig10", "fig13": "fig12", "fig14": "fig12", "ablation": "fig12",
-           "calibrate-check": "calibration"}
+ALIASES = {"storage-rate": "storage", "fig11": "fig10", "fig13": "fig12", "fig14": "fig12",
+           "ablation": "fig12", "calibrate-check": "calibration"}
 
 
 def resolve(names: Sequence[str]) -> list[str]:
@@ -120,9 +127,24 @@ def run_experiments(
             scale_note=QUICK_NOTE if ctx.is_quick else "", walls=walls,
         ) + "\n" + DIFFERENCES
         ctx.path("header.md").write_text(header, encoding="utf-8")
-        write_report(report, sections, header)
+        for sec in sections:
+            write_claims(ctx.out_dir, sec)
+        claims, _, _ = claims_markdown(ctx.out_dir, [s.key for s in sections])
+        write_report(report, sections, _with_claims(header, claims))
         _append_full(ctx.out_dir, report)
+    else:
+        for sec in sections:
+            write_claims(ctx.out_dir, sec)
     return sections
+
+
+_DIFFER = "## Where we differ from the paper"
+
+
+def _with_claims(header: str, claims: str) -> str:
+    """The claims table goes at the top: after the header, before the differences."""
+    head, sep, rest = header.partition(_DIFFER)
+    return head.rstrip() + "\n\n" + claims + "\n" + sep + rest if claims else header
 
 
 def _append_full(out_dir: Path, report: Path) -> None:
@@ -143,8 +165,9 @@ def assemble_report(out_dir: Path, report: Path) -> Path:
     if not header.exists():
         raise UnknownPresetError("report header", str(header), ["run `reproduce all` first"])
     # The differences section is prose kept in code: always the current version.
-    text = header.read_text(encoding="utf-8").split("## Where we differ from the paper")[0]
-    parts = [text.rstrip(), "", DIFFERENCES.rstrip(), ""]
+    text = header.read_text(encoding="utf-8").split(_DIFFER)[0]
+    claims, _, _ = claims_markdown(out_dir, list(EXPERIMENTS))
+    parts = [text.rstrip(), "", claims, DIFFERENCES.rstrip(), ""]
     for key in EXPERIMENTS:
         sec = out_dir / f"section_{key}.md"
         if sec.exists():

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dualpath.experiments.runner import Runner
@@ -39,6 +40,22 @@ class Context:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One claim the paper states, checked against this run: pass or fail, never tuned."""
+
+    claim: str
+    paper: str
+    ours: str
+    is_pass: bool
+    rule: str
+    """What passing means (the tolerance), or why it failed where the cause is known."""
+
+    def as_row(self, scale: str) -> list[object]:
+        return [self.claim, self.paper, self.ours, "pass" if self.is_pass else "**FAIL**",
+                self.rule, scale]
+
+
+@dataclass(frozen=True)
 class Section:
     """One experiment's part of the report."""
 
@@ -49,6 +66,57 @@ class Section:
     files: tuple[Path, ...]
     wall_s: float
     scale: str
+    claims: tuple[Claim, ...] = ()
+    """The paper's claims this experiment checks (the report's claims table)."""
+
+
+def within(ours: float, paper: float, rel: float) -> bool:
+    """`ours` within `rel` (a fraction) of `paper`."""
+    return abs(ours / paper - 1.0) <= rel
+
+
+CLAIMS_FILE = "claims_{key}.json"
+
+
+def write_claims(out_dir: Path, s: Section) -> Path:
+    """Store `s.claims` beside its section, so a later report (or one that includes this run
+    as a separate full-size run) can list them."""
+    path = out_dir / CLAIMS_FILE.format(key=s.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"scale": s.scale, "claims": [asdict(c) for c in s.claims]},
+                               indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def claims_markdown(out_dir: Path, order: Sequence[str]) -> tuple[str, int, int]:
+    """The claims table of `out_dir`'s runs (its own `claims_*.json`, in `order` of keys) and
+    of every separate run below `out_dir/full`; with the pass and total counts."""
+    rows: list[list[object]] = []
+    num_pass = 0
+    sources = [(out_dir / CLAIMS_FILE.format(key=k), "") for k in order]
+    full = out_dir / "full"
+    if full.is_dir():
+        sources += [(f, f.parent.relative_to(full).as_posix())
+                    for f in sorted(full.rglob("claims_*.json"))]
+    for path, where in sources:
+        if not path.exists():
+            continue
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        scale = f"full ({where})" if where else str(doc["scale"]).split(" ")[0]
+        for c in doc["claims"]:
+            claim = Claim(**c)
+            rows.append(claim.as_row(scale))
+            num_pass += claim.is_pass
+    if not rows:
+        return "", 0, 0
+    text = ("## Claims: the paper's statements, pass or fail\n\n"
+            f"**{num_pass} of {len(rows)} pass.** One row per claim the paper states (values "
+            "read off its figures, about +-5%) and per run that checks it; `quick` rows come "
+            "from this report's scaled-down runs, `full` rows from the separate full-size runs "
+            "at the end. Nothing is tuned to pass: the only parameter fitted to Basic or "
+            "DualPath cells is the storage read rate (on DS 27B 1P1D Basic, 32K and 64K).\n\n"
+            + md_table(["claim", "paper", "ours", "result", "pass rule", "scale"], rows) + "\n")
+    return text, num_pass, len(rows)
 
 
 def fmt(v: float | None, digits: int = 0) -> str:

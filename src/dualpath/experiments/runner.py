@@ -4,12 +4,16 @@ report can state what each experiment cost."""
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from functools import cache
 
 from dualpath.core.errors import SpecError
+from dualpath.core.storage import StorageReadModel
 from dualpath.experiments.paper import MAL_TOKENS
 from dualpath.experiments.setups import setup
 from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, mode_preset, simulate
@@ -38,6 +42,9 @@ class RunSpec:
     seed: int = 0
     ep_engines: tuple[int, int] = (0, 0)
     """Engines per expert-parallel group, (prefill, decode); 0: the whole side (`SimParams`)."""
+    storage: tuple[float, float] | None = None
+    """The storage read model as (read_efficiency, per_block_overhead_s); None: the hardware's
+    calibrated record (`dualpath.core.storage`)."""
 
     def __post_init__(self) -> None:
         if self.mal not in MAL_TOKENS:
@@ -71,8 +78,14 @@ class RunSpec:
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
             cost_overrides=self.cost_overrides,
             params=SimParams(prefill_ep_engines=self.ep_engines[0],
-                             decode_ep_engines=self.ep_engines[1]),
+                             decode_ep_engines=self.ep_engines[1],
+                             storage_read=(None if self.storage is None
+                                           else StorageReadModel(*self.storage))),
         )
+
+
+NOMINAL_STORAGE = (1.0, 0.0)
+"""`RunSpec.storage` of a run whose storage NICs move KV at their line rate."""
 
 
 @cache
@@ -82,27 +95,55 @@ def _workload(mal: str, num_agents: int, append: float, gen: float, seed: int) -
                           append_factor=append, gen_factor=gen)
 
 
+def _simulate(spec: RunSpec) -> tuple[SimResult, float]:
+    started = time.perf_counter()
+    result = simulate(spec.config())
+    return result, time.perf_counter() - started
+
+
 @dataclass
 class Runner:
-    """Runs and caches `RunSpec`s; `log` holds (spec, wall seconds) of every fresh run."""
+    """Runs and caches `RunSpec`s; `log` holds (spec, wall seconds) of every fresh run.
+
+    With `jobs > 1`, `prefetch` simulates independent specs in that many processes; a run is
+    deterministic in its spec, so the results are those of a serial run."""
 
     on_run: Callable[[RunSpec, SimResult, float], None] | None = None
     cache: dict[RunSpec, SimResult] = field(default_factory=dict)
     log: list[tuple[RunSpec, float]] = field(default_factory=list)
+    jobs: int = 1
 
     def run(self, spec: RunSpec) -> SimResult:
         """The result of `spec`, simulated on first request."""
         hit = self.cache.get(spec)
         if hit is not None:
             return hit
-        started = time.perf_counter()
-        result = simulate(spec.config())
-        wall = time.perf_counter() - started
+        result, wall = _simulate(spec)
+        self._store(spec, result, wall)
+        return result
+
+    def prefetch(self, specs: Iterable[RunSpec]) -> None:
+        """Simulate the specs not cached yet, `jobs` at a time (in order when `jobs` is 1);
+        later `run` calls return them from the cache."""
+        todo = list(dict.fromkeys(s for s in specs if s not in self.cache))
+        if self.jobs <= 1 or len(todo) <= 1:
+            for spec in todo:
+                self.run(spec)
+            return
+        # Longest first (agents x turns grow together), so one big run does not end last.
+        todo.sort(key=lambda s: -s.num_agents)
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(min(self.jobs, len(todo)), mp_context=ctx) as pool:
+            futures = {pool.submit(_simulate, s): s for s in todo}
+            for fut in as_completed(futures):
+                result, wall = fut.result()
+                self._store(futures[fut], result, wall)
+
+    def _store(self, spec: RunSpec, result: SimResult, wall: float) -> None:
         self.cache[spec] = result
         self.log.append((spec, wall))
         if self.on_run is not None:
             self.on_run(spec, result, wall)
-        return result
 
     @property
     def wall_s(self) -> float:

@@ -26,7 +26,6 @@ with `*` wildcards and a `source` note; override any of them with `dataclasses.r
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -34,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from dualpath.core.datafile import read_entries
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.hardware import HardwareSpec
 from dualpath.core.model import ModelSpec
@@ -111,18 +111,7 @@ def default_cost_file() -> Path:
 
 
 def _read_entries(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CostFileError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CostFileError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    entries = doc.get("entries") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise CostFileError(f"{path}: top level must be an object with a list of objects 'entries'")
-    return entries
+    return read_entries(path, CostFileError)
 
 
 def _line_of(text: str, index: int) -> int:

@@ -9,6 +9,7 @@ import numpy as np
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError, UnknownPresetError
+from dualpath.core.storage import StorageReadModel
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.sched.params import SchedulerParams
 from dualpath.sim.workload import Workload
@@ -85,6 +86,9 @@ class SimParams:
     coefficients' fitted value (`CostCoefficients.hbm_reserve_fraction`)."""
     storage_cluster_bytes_per_s: float = 0.0
     """Aggregate read cap of the storage cluster (0: none; each storage NIC is its own cap)."""
+    storage_read: StorageReadModel | None = None
+    """The storage NICs' effective KV read rate. None: the hardware preset's calibrated record
+    (`dualpath.core.storage.storage_read_model`); `NOMINAL` reads at the line rate."""
     is_group_synchronized: bool | None = None
     """Synchronize each node's engines per forward step (EP group). None: iff the model is MoE."""
     utilization_bin_s: float = 10.0

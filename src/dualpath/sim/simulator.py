@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
+from dualpath.core.storage import storage_read_model
 from dualpath.sched import cost as costmod
 from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
 from dualpath.sim.config import SimConfig
@@ -82,6 +83,8 @@ class Simulator:
         # The mode's switches, read on every step (`Mode.is_oracle` is a property).
         self.is_oracle = config.mode.is_oracle
         self.is_layerwise = config.mode.is_layerwise
+        self.is_hbm_gated = not self.is_layerwise and not self.is_oracle
+        """Without layerwise prefill a PE-side read lands in the PE's HBM (`_next_read`)."""
         self.params = config.params
         self.progress = progress
         self.loop = EventLoop()
@@ -105,6 +108,10 @@ class Simulator:
         )
         self.links: list[Link] = []
         bin_s = self.params.utilization_bin_s
+        storage = self.params.storage_read or storage_read_model(self.hw.name)
+        self.storage = storage
+        snic_read_bytes_per_s = storage.read_bytes_per_s(
+            self.hw.storage_nic_bytes_per_s, self.kv_bpt * self.block)
         cnic = min(self.hw.compute_nic_bytes_per_s, self.hw.pcie_bytes_per_s)
         self.cnic_bytes_per_s = cnic
         self.storage_link = (
@@ -131,8 +138,7 @@ class Simulator:
             is_pf = n < cl.num_prefill_nodes
             node = Node(
                 n, is_pf, list(range(n * g, n * g + g)),
-                self._link(f"n{n}.snic_read", "snic_read", n, self.hw.storage_nic_bytes_per_s,
-                           bin_s),
+                self._link(f"n{n}.snic_read", "snic_read", n, snic_read_bytes_per_s, bin_s),
                 self._link(f"n{n}.snic_write", "snic_write", n, self.hw.storage_nic_bytes_per_s,
                            bin_s),
                 self._link(f"n{n}.dram", "pe_dram" if is_pf else "de_dram", n,
@@ -412,14 +418,27 @@ class Simulator:
 
     def _next_read(self, nd: Node) -> None:
         """FIFO server: one read at a time at the storage NIC's full (shared) rate; a read
-        starts only when the node buffer has room for it (or the buffer is empty)."""
+        starts only when the node buffer has room for it (or the buffer is empty). Without
+        layerwise prefill a PE-side read lands in its engine's HBM, so it also waits for room
+        there (`_first_hbm_fit`); reads of engines with room go first meanwhile."""
         if nd.is_reading or not nd.read_fifo:
             return
-        req, tokens = nd.read_fifo[0]
+        pick = self._first_hbm_fit(nd) if self.is_hbm_gated and nd.is_prefill else 0
+        if pick < 0:
+            return  # retried when a request of this node leaves its PE's HBM
+        req, tokens = nd.read_fifo[pick]
         nbytes = tokens * self.kv_bpt
         if nd.buffer_used_bytes > 0 and nd.buffer_used_bytes + nbytes > nd.buffer_bytes:
             return  # retried when the buffer frees
-        nd.read_fifo.popleft()
+        if pick == 0:
+            nd.read_fifo.popleft()
+        else:
+            del nd.read_fifo[pick]
+        if self.is_hbm_gated and nd.is_prefill:
+            pe = self.engines[req.pe]
+            req.pe_held_bytes = req.prompt * self.kv_bpt
+            pe.held_kv_bytes += req.pe_held_bytes
+            pe.peak_held_kv_bytes = max(pe.peak_held_kv_bytes, pe.held_kv_bytes)
         nd.is_reading = True
         nd.take_buffer(nbytes)
         links: list[tuple[Link, float]] = [(nd.snic_read, 1.0), (nd.dram, 1.0)]
@@ -438,6 +457,32 @@ class Simulator:
             self._next_read(nd)
 
         self.net.start(Flow(links, nbytes, done))
+
+    def _first_hbm_fit(self, nd: Node) -> int:
+        """Index of the first queued read whose PE has HBM room for the request's whole KV
+        (or holds none), -1 if none has; the walk stops once every engine of the node is
+        known to be full."""
+        room, kv, engines = self.pe_hbm_kv_bytes, self.kv_bpt, self.engines
+        full: set[int] = set()
+        for i, (req, _) in enumerate(nd.read_fifo):
+            if req.pe in full:
+                continue
+            held = engines[req.pe].held_kv_bytes
+            if held <= 0.0 or held + req.prompt * kv <= room:
+                return i
+            full.add(req.pe)
+            if len(full) == len(nd.engines):
+                break
+        return -1
+
+    def _release_hbm(self, req: Req) -> None:
+        """A non-layerwise request's KV has left its PE's HBM: a waiting read may start."""
+        if req.pe_held_bytes <= 0.0:
+            return  # no PE-side read (no hits, or read on the DE side)
+        eng = self.engines[req.pe]
+        eng.held_kv_bytes -= req.pe_held_bytes
+        req.pe_held_bytes = 0.0
+        self._next_read(self.nodes[eng.node])
 
     def _free_buffer(self, nd: Node, nbytes: float) -> None:
         nd.buffer_used_bytes -= nbytes
@@ -588,11 +633,15 @@ class Simulator:
             # Basic: every request of the step waits for the step's KV transfer to the DEs.
             def sent() -> None:
                 for r in finished:
+                    if self.is_hbm_gated:
+                        self._release_hbm(r)
                     self._prefill_done(r)
 
             self.net.start(Flow(outbound.items(), 1.0, sent))
         else:
             for req in finished:
+                if self.is_hbm_gated:
+                    self._release_hbm(req)
                 self._prefill_done(req)
         self._try_prefill(grp)
         if finished:

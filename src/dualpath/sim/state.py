@@ -30,6 +30,7 @@ class Req:
         "hbm_bytes",
         "hit",
         "pe",
+        "pe_held_bytes",
         "pe_read_tokens",
         "prompt",
         "reads_left",
@@ -60,6 +61,8 @@ class Req:
         self.de_read_tokens = 0
         self.reads_left = 0
         self.hbm_bytes = 0
+        self.pe_held_bytes = 0.0
+        """PE HBM this request holds from its read's start (no layerwise prefill)."""
         self.computed_tokens = 0
         """Prompt tokens whose KV the PE has computed so far (chunked prefill)."""
         self.finish_step = 0.0
@@ -136,6 +139,7 @@ class Engine:
         "ctx_tokens",
         "decode_step_s",
         "free_hbm_bytes",
+        "held_kv_bytes",
         "idx",
         "is_copying",
         "is_persisting",
@@ -143,6 +147,7 @@ class Engine:
         "num_decoding",
         "num_seqs",
         "num_tokens",
+        "peak_held_kv_bytes",
         "persist_pending_bytes",
         "ready",
     )
@@ -158,6 +163,10 @@ class Engine:
         self.num_seqs = 0
         self.num_tokens = 0
         self.free_hbm_bytes = free_hbm_bytes
+        self.held_kv_bytes = 0.0
+        """PE without layerwise prefill: HBM its requests hold from read start until their KV
+        has left for the DE (the whole prompt's KV each)."""
+        self.peak_held_kv_bytes = 0.0
         self.ready: deque[Req] = deque()
         """PE: requests whose hit KV is in a buffer, FIFO, waiting for (more) prefill."""
         self.num_decoding = 0

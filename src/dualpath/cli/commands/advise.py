@@ -4,6 +4,7 @@ GPU, with the runner-up and each configuration's bottleneck."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -44,6 +45,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="simulated seconds per online run (default: 600 quick, 2,400 full)")
     p.add_argument("--out", type=Path, default=Path("advise_out"),
                    help="folder for advise.csv and section_advise.md (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="capacity searches run in N processes (default: the machine's cores); "
+                   "results are identical to a serial run")
     p.set_defaults(func=run)
 
 
@@ -83,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration < 0:
         raise AdviseArgsError(f"--duration={args.duration}: must be >= 0")
-    ctx = Context(args.out, Runner(on_run=on_run), args.quick, mals=(args.trace,),
-                  online_duration_s=args.duration)
+    if args.jobs < 0:
+        raise AdviseArgsError(f"--jobs={args.jobs}: must be >= 1 (0: the machine's cores)")
+    ctx = Context(args.out, Runner(on_run=on_run, jobs=args.jobs or os.cpu_count() or 1),
+                  args.quick, mals=(args.trace,), online_duration_s=args.duration)
     cands, section = advise(ctx, name, pds, modes, args.steps)
     md = ctx.path("section_advise.md")
     md.write_text(section_markdown(section, ctx.out_dir) + "\n", encoding="utf-8")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,12 @@ from dualpath.experiments.registry import (
 )
 from dualpath.experiments.report import Context, section_markdown
 from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.storage_fit import (
+    STORAGE_RECORD,
+    calibrate_storage,
+    fits_to_json,
+    write_fit,
+)
 from dualpath.sim import SimResult
 
 
@@ -41,11 +48,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "section per experiment into --out; `all` also writes the full report. "
             f"Experiments: {', '.join(EXPERIMENTS)} (aliases: {', '.join(ALIASES)}), all; "
             "`calibrate` fits the cost coefficients to the paper's Fig. 7 Oracle JCTs; "
+            "`calibrate-storage` fits the storage read rate to DS 27B 1P1D Basic (32K, 64K); "
             "`report` rebuilds the report from the sections an earlier run left in --out."
         ),
     )
     p.add_argument("experiments", nargs="+", metavar="EXPERIMENT",
-                   help="experiment names, `all`, `calibrate` or `report`")
+                   help="experiment names, `all`, `calibrate`, `calibrate-storage` or `report`")
     p.add_argument("--quick", action="store_true",
                    help="scaled-down runs, same shapes (all of them in under 10 minutes)")
     p.add_argument("--out", type=Path, default=Path("docs/figures"),
@@ -64,7 +72,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(default: 2 quick, 4 full; the paper's offline run is 24: 48P96D, with "
                    "--agents 2048)")
     p.add_argument("--write", action="store_true",
-                   help="calibrate: store the fitted coefficients in the packaged cost file")
+                   help="calibrate, calibrate-storage: store the fit in the packaged data file")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="independent simulations run in N processes (default: the machine's "
+                   "cores); results are identical to a serial run")
     p.add_argument("--start-cap", type=int, default=0, metavar="N",
                    help="calibrate: start the sequence-cap fit at N per decode engine "
                    "(default: the packaged cap, else 32)")
@@ -132,6 +143,29 @@ def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def _calibrate_storage(args: argparse.Namespace, ctx: Context) -> int:
+    if args.quick and args.write:
+        raise ReproduceArgsError("--write with --quick: a scaled-down fit must not replace the "
+                                 "packaged storage record")
+    started = time.perf_counter()
+    fits = calibrate_storage(ctx.runner, agent_divisor=8 if args.quick else 1)
+    wall = time.perf_counter() - started
+    for f in fits:
+        print(f"{f.form}: read efficiency {f.model.read_efficiency:.3f}, per-block overhead "
+              f"{f.model.per_block_overhead_s * 1e6:.1f} us, RMS log residual "
+              f"{f.rms_log_before:.3f} (nominal) -> {f.rms_log_after:.3f}")
+    for c in fits[0].cells:
+        print(f"  {c.agents:>5} agents {c.mal}: paper {c.paper_s:,.0f} s, nominal "
+              f"{c.before_s:,.0f} s, fitted {c.after_s:,.0f} s ({100 * c.residual:+.1f}%)")
+    print(f"{fits[0].num_evals} evaluations, {wall:.0f} s")
+    if not args.quick:
+        ctx.path(STORAGE_RECORD).write_text(fits_to_json(fits, wall), encoding="utf-8")
+    if args.write:
+        write_fit(fits[0])
+        print("  wrote the packaged storage record (data/storage_calibration.json)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.online_duration < 0:
         raise ReproduceArgsError(f"--online-duration={args.online_duration}: must be >= 0")
@@ -142,13 +176,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ReproduceArgsError(
             f"--agents={args.agents}: expected integers like 512,1024") from None
-    ctx = Context(args.out, _logger(args.quiet), args.quick, agents, _csv(args.mal),
+    if args.jobs < 0:
+        raise ReproduceArgsError(f"--jobs={args.jobs}: must be >= 1 (0: the machine's cores)")
+    runner = _logger(args.quiet)
+    runner.jobs = args.jobs or os.cpu_count() or 1
+    ctx = Context(args.out, runner, args.quick, agents, _csv(args.mal),
                   _csv(args.setups), args.online_duration, args.scale_out)
-    for solo in ("calibrate", "report"):
+    for solo in ("calibrate", "calibrate-storage", "report"):
         if solo in args.experiments and len(args.experiments) > 1:
             raise ReproduceArgsError(f"`{solo}` runs alone")
     if args.experiments == ["calibrate"]:
         return _calibrate(args, ctx)
+    if args.experiments == ["calibrate-storage"]:
+        return _calibrate_storage(args, ctx)
     if args.experiments == ["report"]:
         path = assemble_report(args.out, args.report or Path("docs/reproduction.md"))
         print(f"report: {path}")
@@ -169,5 +209,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.key}: {len(s.files)} files, {path} ({s.wall_s:.0f} s)")
     if report is not None:
         print(f"report: {report}")
-    print(f"simulated {len(ctx.runner.log)} runs in {ctx.runner.wall_s:.0f} s wall")
+    print(f"simulated {len(ctx.runner.log)} runs, {ctx.runner.wall_s:.0f} s of run time "
+          f"({runner.jobs} jobs)")
     return 0

@@ -1,0 +1,25 @@
+"""The packaged data files' shared shape: a JSON object with a list of objects `entries`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dualpath.core.errors import DualPathError
+
+
+def read_entries(path: Path, error: type[DualPathError]) -> list[dict[str, Any]]:
+    """`path`'s `entries`; `error` names the file (and line) when it cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    entries = doc.get("entries") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise error(f"{path}: top level must be an object with a list of objects 'entries'")
+    return entries
