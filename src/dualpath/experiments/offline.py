@@ -109,6 +109,13 @@ def fig7_claims(rows: Sequence[Sequence[object]]) -> list[Claim]:
             out.append(Claim(f"{setup(name).label}: offline speedup over Basic up to",
                              f"{paper:.2f}x", f"{best:.2f}x ({n} agents, {mal})",
                              within(best, paper, 0.15), "within 15%"))
+    gaps = [v["dualpath"] / v["oracle"] for k, v in jct.items() if k[0] == "ds27b_1p1d"]
+    if gaps:
+        lo, hi = PAPER_DS27B_GAP
+        out.append(Claim("DS 27B 1P1D: DualPath slower than Oracle by", f"{lo}-{hi}x",
+                         f"{min(gaps):.2f}-{max(gaps):.2f}x",
+                         min(gaps) >= lo * 0.85 and max(gaps) <= hi * 1.15,
+                         "our range inside the paper's, widened by 15%"))
     for name, (lo, hi, gap_max, (a_lo, a_hi)) in ACCEPTANCE.items():
         for (_, n, _), v in sorted((k, v) for k, v in jct.items()
                                    if k[0] == name and k[2] == "64k" and a_lo <= k[1] <= a_hi):
@@ -124,10 +131,12 @@ def fig7_claims(rows: Sequence[Sequence[object]]) -> list[Claim]:
 
 
 ACCEPTANCE = {
-    # setup: (speedup low, speedup high, max DualPath/Oracle - 1 or None, agents range)
+    # setup: (speedup low, speedup high, max DualPath/Oracle - 1 or None, agents range): the
+    # band the paper's DS 660B 64K cells span, and "close to Oracle" as within 15%.
     "ds660b_2p4d": (1.6, 2.1, 0.15, (1024, 4096)),
-    "ds27b_1p1d": (1.5, 2.0, None, (512, 4096)),
 }
+PAPER_DS27B_GAP = (1.09, 1.85)
+"""DS 27B 1P1D: DualPath "still 1.09-1.85x slower than Oracle" (1P1D storage bandwidth)."""
 
 
 def fig8(ctx: Context) -> Section:
