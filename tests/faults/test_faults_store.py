@@ -75,20 +75,27 @@ def written_by_writer(key: bytes, nbytes: int) -> bytes:
 def test_writers_killed_mid_block_leave_only_whole_blocks_and_no_temps(tmp_path: Path) -> None:
     nbytes = 1 << 20  # big enough that most kills land inside a write
     rng = random.Random(1234)
-    for _ in range(8):
+    num_left = 0
+    for num_kills in range(1, 31):  # at least 8 kills, more until one landed inside a write
+        if num_kills > 8 and num_left:
+            break
+        # Each writer's open sweeps the temps the previous killed writer left.
         child = subprocess.Popen(
             [sys.executable, "-c", WRITER, str(tmp_path), str(nbytes)], stdout=subprocess.PIPE
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == b"started"
+        assert not [t for t in tmp_path.glob("*/.tmp-*") if f"-{child.pid}-" not in t.name]
         time.sleep(rng.uniform(0.02, 0.3))
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
         assert child.returncode == -signal.SIGKILL
+        left = list(tmp_path.glob("*/.tmp-*"))
+        for tmp in left:  # partial writes exist only under temp names readers never open
+            assert tmp.stat().st_size <= HEADER_BYTES + nbytes
+        num_left += len(left)
+    assert num_left, "no kill landed inside a write"
     left = list(tmp_path.glob("*/.tmp-*"))
-    assert left, "no kill landed inside a write"
-    for tmp in left:  # partial writes exist only under temp names that readers never open
-        assert tmp.stat().st_size <= HEADER_BYTES + nbytes
     store = BlockStore(tmp_path, nbytes, is_durable=False)
     assert store.counters.num_stale_temps_removed == len(left)
     assert not list(tmp_path.glob("*/.tmp-*"))
