@@ -107,3 +107,20 @@ def test_bad_configs_fail_with_one_line(name: str, message: str) -> None:
 def test_unknown_model_preset() -> None:
     with pytest.raises(UnknownPresetError, match="deepseek-v3.2"):
         model_preset("gpt-5")
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from dualpath.cli.main import main
+
+    path = tmp_path / "config.json"
+    config = json.loads((CONFIGS / "llama-tiny-fp32.json").read_text())
+    path.write_text(json.dumps({**config, "num_attention_heads": 32, "num_key_value_heads": 7}))
+    with pytest.raises(ConfigError, match=r"'num_key_value_heads'=7 must divide "
+                                          r"num_attention_heads=32"):
+        ModelSpec.from_hf_config(path)
+    assert main(["simulate", "--agents", "1", "--model-config", str(path)]) == 2
+    assert "num_key_value_heads" in capsys.readouterr().err

@@ -3,11 +3,9 @@ tokens as a full recompute (tiny random model, greedy, fp32), through the real e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from dualpath.runtime.cluster import AgentScript, Cluster, RunConfig, RunResult, agents_from_lengths
 from dualpath.runtime.model import SamplingParams
@@ -51,13 +49,7 @@ def run(tmp_path: Path, **overrides: object) -> RunResult:
     return cluster.run(agents, timeout_s=120)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Node threads share this process: intra-op thread pools would only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cnic_bytes(r: RunResult, node: int, port: str) -> int:

@@ -8,11 +8,9 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from dualpath.cli.main import main
 from dualpath.runtime.cluster import (
@@ -54,13 +52,7 @@ def busiest_snic_s(r: RunResult) -> float:
     return max(u * r.jct_s for u in r.snic_read_utilization().values())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Node threads share this process: intra-op thread pools would only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

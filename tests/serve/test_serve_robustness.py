@@ -19,6 +19,7 @@ import pytest
 from dualpath.runtime.cluster import RunConfig
 from dualpath.runtime.node import ModelSource, model_tokenizer
 from dualpath.serve import GenerateRequest, ServeError, ServingEngine, make_server
+from dualpath.serve.engine import RestartBudget
 
 MiB = 2**20
 
@@ -143,6 +144,43 @@ def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: 
         fin = after.result()
         assert fin.cached_tokens >= 80  # read from the store the failed cluster wrote
         assert len(fin.output_ids) == 4
+
+
+def test_the_restart_budget_is_per_sliding_window() -> None:
+    now = [0.0]
+    budget = RestartBudget(2, window_s=3600.0, clock=lambda: now[0])
+    assert budget.try_take() and budget.try_take()
+    now[0] = 3599.0
+    assert not budget.try_take()  # two within the hour: the third is refused
+    now[0] = 3600.0
+    assert budget.num_in_window() == 0  # the first two have aged out
+    assert budget.try_take()
+    now[0] = 3 * 3600.0  # hours apart, a server restarts every time
+    assert budget.try_take() and budget.try_take() and not budget.try_take()
+
+
+def test_failures_further_apart_than_the_window_are_all_restarted(tmp_path: Path) -> None:
+    # One restart per 1 ms: each failure below comes long after the previous restart, as
+    # failures hours apart do with the default hour; the old lifetime budget of one restart
+    # left the server failed after the second.
+    cfg = tiny_cluster(tmp_path, buffer_bytes=16 * 16 * 1024)
+    logs: list[str] = []
+    with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60, max_restarts=1,
+                       log=logs.append, restart_window_s=1e-3) as engine:
+        for num_failures in (1, 2, 3):
+            crash = engine.generate(GenerateRequest(tuple(range(1, 400)), 4))  # fits no buffer
+            with pytest.raises(ServeError, match="BufferFullError"):
+                crash.result()
+            deadline = time.monotonic() + 60
+            while engine.num_restarts < num_failures and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while not engine.is_healthy and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.is_healthy and engine.num_restarts == num_failures, logs
+        assert sum("restarting (1 of 1) on the same store (at most 1 per 0.001 s)" in m
+                   for m in logs) == 3, logs
+        fin = engine.generate(GenerateRequest((5, 6, 7), 3, is_ignore_eos=True)).result()
+        assert len(fin.output_ids) == 3
 
 
 def test_a_killed_node_process_is_noticed_under_traffic_and_replaced(tmp_path: Path) -> None:

@@ -88,3 +88,39 @@ def test_generate_fit_target(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "fit target" in capsys.readouterr().out
     assert main(["trace", "generate", "--fit", "100,2,3,4,500,6"]) == 2
     assert "TOTAL and CONTEXT" in capsys.readouterr().err
+
+
+GOOD_REQUEST = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}'
+TRACE_READERS = (["trace", "stats"], ["trace", "convert"],
+                 ["simulate", "--agents", "1", "--no-progress", "--mooncake"])
+
+
+@pytest.mark.parametrize("argv", TRACE_READERS)
+def test_deeply_nested_json_names_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    path = tmp_path / "nested.jsonl"
+    path.write_text(GOOD_REQUEST + '\n{"hash_ids": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    assert main([*argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"{path}:2: too deeply nested"), err
+
+
+def test_a_deeply_nested_model_config_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert main(["simulate", "--agents", "1", "--model-config", str(path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{path}: too deeply nested")
+
+
+@pytest.mark.parametrize("argv", [*TRACE_READERS, ["run", "--trajectories"]])
+def test_an_empty_file_is_the_same_error_for_every_reader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    assert main([*argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"{path}: empty") and len(err.strip().splitlines()) == 1, err

@@ -75,7 +75,7 @@ def test_bad_lines_name_file_line_and_field(
 
 def test_empty_and_missing_files(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(TraceFormatError, match="empty file"):
+    with pytest.raises(TraceFormatError, match=": empty$"):
         load_trajectories(tmp_path / "empty.jsonl")
     with pytest.raises(TraceFormatError, match="cannot read"):
         load_trajectories(tmp_path / "nope.jsonl")

@@ -398,6 +398,8 @@ def model_from_hf_config(
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{p}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: too deeply nested") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: top level must be a JSON object")
     where = str(p)
@@ -415,12 +417,16 @@ def model_from_hf_config(
     vocab = _get(cfg, where, "vocab_size", default=0)
     label = name or str(cfg.get("_name_or_path") or model_type)
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        kv_heads = _get(cfg, where, "num_key_value_heads", default=heads)
+        if not kv_heads or heads % kv_heads:  # the runtime refuses it too (ModelConfig)
+            raise ConfigError(f"{where}: field 'num_key_value_heads'={kv_heads!r} must divide "
+                              f"num_attention_heads={heads}")
         return dense_gqa_spec(
             label,
             hidden=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=_get(cfg, where, "num_key_value_heads", default=heads),
+            num_kv_heads=kv_heads,
             head_dim=_get(cfg, where, "head_dim", default=hidden // max(heads, 1)),
             intermediate=_get(cfg, where, "intermediate_size"),
             vocab_size=vocab,

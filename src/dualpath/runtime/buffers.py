@@ -40,7 +40,11 @@ class BufferPool:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         size = slot_bytes * num_slots
-        self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        try:
+            self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        except OSError as exc:  # ENOMEM, a full /dev/shm: a one-line error, not a traceback
+            raise BufferFullError(f"buffer[{name}]: cannot map {size} bytes of shared memory "
+                                  f"({exc.strerror}); lower the DRAM buffer size") from None
         self._is_owner = create
         self.view = memoryview(self._shm.buf)[:size]
         self._free = list(range(num_slots - 1, -1, -1))

@@ -67,6 +67,11 @@ from dualpath.workload.trajectory import Trajectory
 
 MODES = ("basic", "dualpath", "oracle")
 LAUNCHES = ("process", "thread")
+# The emulated cluster runs on one machine: nodes are processes, engines threads. Past these
+# a run would only thrash (or take minutes to start and leak its semaphores if killed).
+MAX_NODES = 64
+MAX_ENGINES_PER_NODE = 64
+MAX_BLOCK_SIZE_TOKENS = 4096
 
 
 class RunError(DualPathError):
@@ -131,6 +136,14 @@ class RunConfig:
             "block_size",
         ):
             positive_int(owner, name, getattr(self, name))
+        for name, value, limit in (
+            ("num_prefill_nodes + num_decode_nodes", self.num_nodes, MAX_NODES),
+            ("engines_per_node", self.engines_per_node, MAX_ENGINES_PER_NODE),
+            ("block_size", self.block_size, MAX_BLOCK_SIZE_TOKENS),
+        ):
+            if value > limit:
+                raise SpecError(owner, name, value, f"at most {limit} on this one-machine "
+                                "emulated cluster")
         positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
         positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
         positive(owner, "compute_quota_s", self.compute_quota_s)
@@ -152,6 +165,13 @@ class RunConfig:
     @property
     def num_nodes(self) -> int:
         return self.num_prefill_nodes + self.num_decode_nodes
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the cluster holds in this machine's memory besides the models: every node's
+        DRAM buffer and every decode engine's KV memory (both touched as they are used)."""
+        return (self.num_nodes * self.buffer_bytes
+                + self.num_decode_nodes * self.engines_per_node * self.hbm_bytes)
 
 
 @dataclass(frozen=True)
@@ -277,6 +297,11 @@ class RunResult:
                 out[k] += v
         return dict(out)
 
+    @property
+    def num_unpersisted_blocks(self) -> int:
+        """KV blocks that were computed but could not be persisted (see `Cluster`)."""
+        return self.store_counters().get("num_failed_puts", 0)
+
     def engine_counters(self) -> dict[str, int]:
         """PE forward-pass counters summed over nodes (see `NodeStats.engine_counters`)."""
         out: dict[str, int] = defaultdict(int)
@@ -297,6 +322,7 @@ class RunResult:
             "bytes_by_path": self.bytes_by_path(),
             "snic_read_utilization": {str(k): v for k, v in self.snic_read_utilization().items()},
             "store": self.store_counters(),
+            "unpersisted_blocks": self.num_unpersisted_blocks,
             "buffer_peak_slots": {str(n.node): n.buffer_peak_slots for n in self.nodes},
             "num_fetches": self.num_fetches,
             "engine": self.engine_counters(),
@@ -322,6 +348,19 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
     )
 
 
+def _check_memory(cfg: RunConfig) -> None:
+    """SpecError if the cluster's buffers and KV memory exceed this machine's memory, before
+    anything starts (later, a node's segment fails with ENOMEM or the kernel kills it)."""
+    machine_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if cfg.memory_bytes > machine_bytes:
+        raise SpecError(
+            "run", "buffer_bytes", cfg.buffer_bytes,
+            f"{cfg.num_nodes} node buffers plus {cfg.num_decode_nodes * cfg.engines_per_node} "
+            f"decode engines x hbm_bytes={cfg.hbm_bytes} need {cfg.memory_bytes} bytes, more "
+            f"than this machine's {machine_bytes}",
+        )
+
+
 _LIVENESS_POLL_S = 1.0
 """How often the driver checks, while waiting for a message, that its processes are alive."""
 
@@ -331,6 +370,7 @@ class Cluster:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        _check_memory(cfg)
         config = model_config(cfg.model)
         self.vocab_size: int = config.vocab_size
         self.layout: KVLayout = config.kv_layout(cfg.block_size)
@@ -349,6 +389,8 @@ class Cluster:
         """Traceback of the node failure that aborted the run, if any (for debugging)."""
         self._num_fetches = 0
         is_process = cfg.launch == "process"
+        # Written by each node's storage writer, read here while the cluster serves.
+        self._unpersisted: Any = mp.get_context("spawn").RawArray("q", cfg.num_nodes)
         if is_process:
             ctx = mp.get_context("spawn")
             self._sched_q: Inbox = ctx.Queue()
@@ -378,7 +420,8 @@ class Cluster:
         self._scheduler.start()
         for n in range(cfg.num_nodes):
             ncfg = self._node_config(n)
-            args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q, is_process)
+            args = (ncfg, self._inboxes[n], self._inboxes, self._sched_q, is_process,
+                    self._unpersisted)
             if is_process:
                 proc: Any = mp.get_context("spawn").Process(
                     target=run_node, args=args, name=f"dualpath-node{n}", daemon=True
@@ -517,6 +560,12 @@ class Cluster:
         return RunResult(
             cfg, records, nodes, started_at, finished_at, self._num_fetches, outputs
         )
+
+    @property
+    def num_unpersisted_blocks(self) -> int:
+        """KV blocks the nodes could not persist so far (a full disk, a read-only store): each
+        is skipped, so a later request that would have hit it recomputes it."""
+        return int(sum(self._unpersisted))
 
     @property
     def max_sequence_tokens(self) -> int:

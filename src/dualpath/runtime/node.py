@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -199,7 +200,8 @@ class ReadJob:
 class NodeContext:
     """What engines of a node share: pool, NICs, traffic manager, transfer engine, counters."""
 
-    def __init__(self, cfg: NodeConfig, send: Callable[[int | None, Message], None]) -> None:
+    def __init__(self, cfg: NodeConfig, send: Callable[[int | None, Message], None],
+                 unpersisted: Any = None) -> None:
         self.cfg = cfg
         self.layout = cfg.layout
         slot_bytes = cfg.layout.full_block_bytes
@@ -226,6 +228,9 @@ class NodeContext:
         self.write_queue: queue.Queue[tuple[bytes, int] | Callable[[], None] | None] = queue.Queue()
         """(key, slot) to persist, or a callback to run once every earlier write is done."""
         self.store_counters: dict[str, int] = defaultdict(int)
+        self.unpersisted = unpersisted
+        """Blocks whose persistence failed, per node (a shared array the driver reads live,
+        `Cluster.num_unpersisted_blocks`; None: counted in `store_counters` only)."""
         self.engine_counters: dict[str, int] = defaultdict(int)
         self.estimator_desc = ""
         self.failure: list[tuple[str, str]] = []
@@ -333,7 +338,7 @@ def _reader_loop(ctx: NodeContext) -> None:
                     is_broken = True  # a missing/corrupt block ends the usable prefix
             ctx.add_read_q(-job.block_size)
         job.num_valid_blocks = valid
-        for name in ("num_hits", "num_misses", "num_corrupt"):
+        for name in ("num_hits", "num_misses", "num_corrupt", "num_unreadable"):
             ctx.store_counters[name] = getattr(store.counters, name)
         job.done.set()
         job.on_done(job)
@@ -341,7 +346,11 @@ def _reader_loop(ctx: NodeContext) -> None:
 
 def _writer_loop(ctx: NodeContext) -> None:
     """Persist completed Full Blocks (atomic put), paced on the storage NIC's write port; the
-    slot is freed only after the block is stored (its successor holds it)."""
+    slot is freed only after the block is stored (its successor holds it).
+
+    A put that fails (a full disk, a read-only store) skips that block: it is counted and will
+    be a cache miss, recomputed, so serving goes on. The first failure is printed with why.
+    """
     store = BlockStore(ctx.cfg.store_root, ctx.layout.full_block_bytes, is_durable=False)
     while True:
         item = ctx.write_queue.get()
@@ -352,7 +361,17 @@ def _writer_loop(ctx: NodeContext) -> None:
             continue
         key, slot = item
         done_at = ctx.nics.storage_write.reserve(ctx.layout.full_block_bytes)
-        store.put(key, ctx.pool.slot(slot), overwrite=False)
+        try:
+            store.put(key, ctx.pool.slot(slot), overwrite=False)
+        except OSError as exc:
+            if store.counters.num_failed_puts == 1:
+                print(f"dualpath node {ctx.cfg.node}: warning: cannot persist KV blocks to "
+                      f"{ctx.cfg.store_root} ({exc.strerror or exc}); skipping them (each is a "
+                      "later cache miss, recomputed) and counting them as unpersisted_blocks",
+                      file=sys.stderr, flush=True)
+            ctx.store_counters["num_failed_puts"] = store.counters.num_failed_puts
+            if ctx.unpersisted is not None:
+                ctx.unpersisted[ctx.cfg.node] = store.counters.num_failed_puts
         ctx.count("snic_write", ctx.layout.full_block_bytes)
         sleep_until(done_at)
         ctx.pool.free([slot])
@@ -377,8 +396,11 @@ def run_node(
     outboxes: dict[int, Inbox],
     scheduler: Inbox,
     is_own_process: bool = False,
+    unpersisted: Any = None,
 ) -> None:
-    """Run node `cfg.node` until Shutdown; any failure is reported as NodeFailed."""
+    """Run node `cfg.node` until Shutdown; any failure is reported as NodeFailed.
+    `unpersisted`: the driver's shared per-node count of blocks not persisted (see
+    `NodeContext.unpersisted`)."""
     ctx: NodeContext | None = None
     if is_own_process:
         # Engines are threads; intra-op thread pools would only contend for the same cores.
@@ -388,7 +410,7 @@ def run_node(
         def send(node: int | None, msg: Message) -> None:
             (scheduler if node is None else outboxes[node]).put(msg)
 
-        ctx = NodeContext(cfg, send)
+        ctx = NodeContext(cfg, send, unpersisted)
         _serve(ctx, inbox)
     except _NodeThreadFailed as exc:
         scheduler.put(NodeFailed(cfg.node, exc.error, exc.trace))

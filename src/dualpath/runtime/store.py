@@ -5,7 +5,8 @@ all nodes open the same root):
 
     root/store.json                    {"format": ..., "full_block_bytes": N}; fixed per store
     root/<kk>/<key hex>.blk            one file per Full Block; <kk> = first key byte (256 dirs)
-    root/<kk>/.tmp-<key hex>-<pid>-<n> a write in progress (never read)
+    root/<kk>/.tmp-<key hex>-<host>-<pid>-<n>   a write in progress (never read); <host> is a
+                                       tag of the writer's host name, <n> unique in its process
 
     .blk file = header (64 B) + payload (full_block_bytes B)
     header    = magic "DPKVBLK1" | version u16 | key length u16 | payload bytes u64 |
@@ -25,10 +26,17 @@ visible to every reader the moment its rename lands, and the filesystem is the i
 Atomicity: `put` writes a temp file in the block's directory, fsyncs it (when `is_durable`),
 then `os.replace`s it onto the final name. A writer killed at any point leaves at most a
 `.tmp-*` file, which readers never open; the final name only ever refers to a complete file.
+Opening a store removes the temp files of writers on this host that are no longer running
+(and any older than an hour). A put that fails (a full disk, a read-only mount) removes its
+temp file, is counted in `num_failed_puts` and raises; callers that persist KV in the
+background count it and carry on (the block is a later cache miss).
 Integrity: every read checks the magic, the key, the size and the CRC32C of the payload (the
 SSE4.2 instruction, ~15 GB/s, so verification costs a few percent of a read); a block
 that fails is counted as corrupt, removed, and reported as a miss, so the caller recomputes it
-and a later `put` rewrites it. Nothing is lost: a miss only costs recompute.
+and a later `put` rewrites it. Whatever else sits at a block's path and cannot be read (a
+directory, a FIFO, a file without read permission, an I/O error) is counted as unreadable and
+reported as a miss. Nothing is lost: a miss only costs recompute. `docs/reliability.md` has
+the whole list of promises and the tests that hold them.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import contextlib
 import itertools
 import json
 import os
+import socket
 import struct
 import tempfile
 import time
@@ -61,6 +70,13 @@ _HEADER_CRC = struct.Struct("<I")
 # Header: fixed fields (24 B) | header crc32c (4 B) | key (32 B) | zero pad (4 B) = 64 B.
 _KEY_OFFSET = _FIXED.size + _HEADER_CRC.size
 assert _KEY_OFFSET + MAX_KEY_BYTES <= HEADER_BYTES
+STALE_TEMP_AGE_S = 3600.0
+"""A temp file older than this is stale whoever wrote it (no put takes an hour)."""
+_HOST_TAG = f"{crc32c.crc32c(socket.gethostname().encode()):08x}"
+"""Which host a temp file's pid belongs to (host names may hold `-`; the tag never does)."""
+_TMP_IDS = itertools.count()
+"""Per process, not per store: two stores of one process (nodes launched as threads) writing
+the same key must not pick the same temp name."""
 
 
 class StoreError(DualPathError):
@@ -76,15 +92,22 @@ class StoreCounters:
     """Lookups of a key with no stored block."""
     num_corrupt: int = 0
     """Lookups that found a block failing verification (served as a miss, then removed)."""
+    num_unreadable: int = 0
+    """Lookups whose path could not be read (a directory, a FIFO, no permission, an I/O
+    error; served as a miss, left in place: a later put replaces it where it can)."""
     num_puts: int = 0
     num_skipped_puts: int = 0
     """`put(..., overwrite=False)` calls that found the block already stored."""
+    num_failed_puts: int = 0
+    """Puts that raised OSError (a full disk, a read-only store); nothing was stored."""
+    num_stale_temps_removed: int = 0
+    """Temp files of dead writers removed when the store was opened."""
     read_bytes: int = 0
     written_bytes: int = 0
 
     @property
     def num_lookups(self) -> int:
-        return self.num_hits + self.num_misses + self.num_corrupt
+        return self.num_hits + self.num_misses + self.num_corrupt + self.num_unreadable
 
 
 def _encode_header(key: bytes, payload_bytes: int, payload_crc: int) -> bytes:
@@ -132,8 +155,8 @@ class BlockStore:
         self.full_block_bytes = full_block_bytes
         self.is_durable = is_durable
         self.counters = StoreCounters()
-        self._tmp_ids = itertools.count()
         self._open_meta()
+        self.counters.num_stale_temps_removed = self.remove_stale_temp()
 
     # -- metadata --------------------------------------------------------------------------
     def _open_meta(self) -> None:
@@ -144,23 +167,12 @@ class BlockStore:
         except OSError as exc:
             raise StoreError(f"{self.root}: cannot create store root ({exc.strerror})") from None
         if not meta_path.exists():
-            # A fresh file per caller: threads of one process share a pid, and rewriting a
-            # shared temp name would truncate the inode already linked as store.json.
-            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-store.json-", dir=self.root)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(want) + "\n")
-            tmp = Path(tmp_name)
-            # Another process may win the race; os.link fails if it did, and we then read
-            # (and check) its metadata instead of overwriting it.
             try:
-                os.link(tmp, meta_path)
-            except FileExistsError:
-                pass
-            except OSError:  # no hard links (some FUSE mounts): a rename is atomic too
-                if not meta_path.exists():
-                    os.replace(tmp, meta_path)
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+                self._create_meta(meta_path, want)
+            except OSError as exc:
+                raise StoreError(
+                    f"{meta_path}: cannot create store metadata ({exc.strerror})"
+                ) from None
         try:
             have = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
@@ -173,6 +185,27 @@ class BlockStore:
                 f"{meta_path}: full_block_bytes={have.get('full_block_bytes')!r}, but this "
                 f"store was opened for {self.full_block_bytes}"
             )
+
+    def _create_meta(self, meta_path: Path, want: dict[str, Any]) -> None:
+        # A fresh file per caller: threads of one process share a pid, and rewriting a
+        # shared temp name would truncate the inode already linked as store.json.
+        fd, tmp_name = tempfile.mkstemp(prefix=".tmp-store.json-", dir=self.root)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(want) + "\n")
+            # Another process may win the race; os.link fails if it did, and we then read
+            # (and check) its metadata instead of overwriting it.
+            try:
+                os.link(tmp, meta_path)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links (some FUSE mounts): a rename is atomic too
+                if not meta_path.exists():
+                    os.replace(tmp, meta_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
 
     # -- paths -----------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
@@ -213,22 +246,26 @@ class BlockStore:
         if not overwrite and path.exists():
             self.counters.num_skipped_puts += 1
             return False
-        path.parent.mkdir(exist_ok=True)
         header = _encode_header(key, mv.nbytes, crc32c.crc32c(mv))
-        tmp = path.parent / f".tmp-{path.stem}-{os.getpid()}-{next(self._tmp_ids)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        tmp = ""
         try:
-            _write_all(fd, [header, mv])
-            if self.is_durable:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = _create_temp(path)
+            try:
+                _write_all(fd, [header, mv])
+                if self.is_durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            # Invariant: the final name is bound only to complete, checksummed files.
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            if isinstance(exc, OSError):
+                self.counters.num_failed_puts += 1
             raise
-        os.close(fd)
-        # Invariant: the final name is bound only to complete, checksummed files.
-        os.replace(tmp, path)
         if self.is_durable:
             _fsync_dir(path.parent)
         self.counters.num_puts += 1
@@ -250,13 +287,21 @@ class BlockStore:
                 f"{self.full_block_bytes} bytes, got {mv.nbytes} (readonly={mv.readonly})"
             )
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # O_NONBLOCK: a FIFO planted at the path opens at once (and then fails to read)
+            # instead of blocking the reader forever; regular files ignore it.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             self.counters.num_misses += 1
+            return False
+        except OSError:  # no permission, a symlink loop, a path through a file, ...
+            self.counters.num_unreadable += 1
             return False
         header = bytearray(HEADER_BYTES)
         try:
             got = _preadv_all(fd, [header, mv])
+        except OSError:  # a directory (EISDIR), a FIFO (ESPIPE), an I/O error
+            self.counters.num_unreadable += 1
+            return False
         finally:
             os.close(fd)
         payload_crc = None
@@ -293,14 +338,20 @@ class BlockStore:
             return False
         return True
 
-    def remove_stale_temp(self, max_age_s: float = 3600.0) -> int:
-        """Delete `.tmp-*` files older than `max_age_s` (left by killed writers); returns how
-        many. Younger ones may belong to live writers on other processes or machines."""
+    def remove_stale_temp(self, max_age_s: float = STALE_TEMP_AGE_S) -> int:
+        """Delete the `.tmp-*` files killed writers left; returns how many.
+
+        A temp file is stale when its writer ran on this host and that process is gone, or
+        when it is older than `max_age_s` (writers on other hosts sharing the mount, names
+        of other formats). Temps of this process and of live processes are kept: they may be
+        writes in progress. Runs when a store is opened; errors (a read-only store) are
+        ignored, as a stale temp costs only its disk space.
+        """
         now = time.time()
         removed = 0
         for tmp in self.root.glob("*/.tmp-*"):
             with contextlib.suppress(OSError):
-                if now - tmp.stat().st_mtime > max_age_s:
+                if _is_dead_local_writer(tmp.name) or now - tmp.stat().st_mtime > max_age_s:
                     tmp.unlink()
                     removed += 1
         return removed
@@ -308,6 +359,37 @@ class BlockStore:
     def keys(self) -> list[bytes]:
         """Keys of all stored blocks (a directory walk; for tools and tests)."""
         return [bytes.fromhex(p.stem) for p in sorted(self.root.glob("*/*.blk"))]
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temp file next to `path`, opened for writing: `(fd, name)`.
+
+    The name says who writes it (host tag, pid), so a later open can tell a dead writer's
+    leftovers from a live one's; a name taken already (a pid reused since a crash) is skipped.
+    """
+    while True:
+        name = f"{path.parent}/.tmp-{path.stem}-{_HOST_TAG}-{os.getpid()}-{next(_TMP_IDS)}"
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name
+        except FileExistsError:
+            continue
+
+
+def _is_dead_local_writer(name: str) -> bool:
+    """Whether temp file `name` was written by a process of this host that has exited."""
+    parts = name.split("-")  # ".tmp", key hex, host tag, pid, n
+    if len(parts) != 5 or parts[2] != _HOST_TAG or not parts[3].isdigit():
+        return False
+    pid = int(parts[3])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        return False
+    return False
 
 
 def _write_all(fd: int, buffers: list[Any]) -> None:

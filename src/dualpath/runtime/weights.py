@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -109,7 +110,11 @@ def tiny_random_model(
 # -- HF checkpoint folders -------------------------------------------------------------------
 
 def config_from_hf(folder: Path | str, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a HF Llama / Mistral / Qwen2 `config.json` (or its folder)."""
+    """The ModelConfig of a HF Llama / Mistral / Qwen2 `config.json` (or its folder).
+
+    Every field is type-checked here: a wrong value is a CheckpointError naming it, never a
+    TypeError or a division by zero further on (`dualpath run` and `serve` load through this).
+    """
     path = Path(folder)
     if path.is_dir():
         path = path / "config.json"
@@ -119,6 +124,8 @@ def config_from_hf(folder: Path | str, name: str | None = None) -> ModelConfig:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: too deeply nested") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: top level must be a JSON object")
     model_type = cfg.get("model_type")
@@ -135,31 +142,59 @@ def config_from_hf(folder: Path | str, name: str | None = None) -> ModelConfig:
             raise CheckpointError(f"{path}: missing field {key!r}")
         return value
 
-    heads = field("num_attention_heads")
-    max_positions = field("max_position_embeddings", 4096)
-    window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", model_type == "mistral"):
-        # Within the window, sliding-window attention is full causal attention; beyond it this
-        # model would differ, so sequences are capped there instead of computed wrongly.
-        max_positions = min(max_positions, int(window))
+    def bad(key: str, value: Any, why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: field {key!r}={value!r}: {why}")
+
+    def integer(key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = field(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise bad(key, value, f"must be an integer >= {minimum}")
+        return int(value)
+
+    def number(key: str, default: float) -> float:
+        value = field(key, default)
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value <= 0):
+            raise bad(key, value, "must be a finite number > 0")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = field(key, default)
+        if not isinstance(value, bool):
+            raise bad(key, value, "must be true or false")
+        return value
+
+    hidden = integer("hidden_size")
+    heads = integer("num_attention_heads")
+    max_positions = integer("max_position_embeddings", 4096)
+    if cfg.get("sliding_window") is not None:
+        window = integer("sliding_window", minimum=0)
+        if window and flag("use_sliding_window", model_type == "mistral"):
+            # Within the window, sliding-window attention is full causal attention; beyond it
+            # this model would differ, so sequences are capped there instead of computed
+            # wrongly.
+            max_positions = min(max_positions, window)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    bos = cfg.get("bos_token_id")
+    if bos is not None:
+        integer("bos_token_id", minimum=0)
     try:
         return ModelConfig(
             name=name or str(cfg.get("_name_or_path") or path.parent.name),
-            vocab_size=field("vocab_size"),
-            hidden_size=field("hidden_size"),
-            intermediate_size=field("intermediate_size"),
-            num_layers=field("num_hidden_layers"),
+            vocab_size=integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=integer("intermediate_size"),
+            num_layers=integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_kv_heads=field("num_key_value_heads", heads),
-            head_dim=field("head_dim", field("hidden_size") // heads),
-            rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
-            rope_theta=float(field("rope_theta", 10000.0)),
+            num_kv_heads=integer("num_key_value_heads", heads),
+            head_dim=integer("head_dim", hidden // heads),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            rope_theta=number("rope_theta", 10000.0),
             max_position_tokens=max_positions,
-            is_tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            has_qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
+            is_tied_embeddings=flag("tie_word_embeddings", False),
+            has_qkv_bias=model_type == "qwen2" or flag("attention_bias", False),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
         )
     except DualPathError as exc:

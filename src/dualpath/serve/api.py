@@ -430,7 +430,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "cluster": {"prefill_nodes": cfg.num_prefill_nodes,
                             "decode_nodes": cfg.num_decode_nodes,
                             "engines_per_node": cfg.engines_per_node},
-                "restarts": eng.num_restarts,
+                "restarts": eng.num_restarts, "unpersisted_blocks": eng.num_unpersisted_blocks,
                 "requests": s.num_requests, "finished": s.num_finished,
                 "prompt_tokens": s.num_prompt_tokens, "cached_tokens": s.num_cached_tokens,
                 "generated_tokens": s.num_generated_tokens})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -139,6 +140,35 @@ class Generation:
         )
 
 
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds (a sliding window).
+
+    A server that fails now and then, hours apart, keeps restarting; one that fails over and
+    over (a fault that a restart does not cure) runs out and stays failed, saying so.
+    """
+
+    def __init__(self, max_restarts: int, window_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._clock = clock
+        self._taken_at: deque[float] = deque()
+
+    def num_in_window(self) -> int:
+        """Restarts taken within the last `window_s` seconds."""
+        now = self._clock()
+        while self._taken_at and now - self._taken_at[0] >= self.window_s:
+            self._taken_at.popleft()
+        return len(self._taken_at)
+
+    def try_take(self) -> bool:
+        """Take one restart if the window has one left."""
+        if self.num_in_window() >= self.max_restarts:
+            return False
+        self._taken_at.append(self._clock())
+        return True
+
+
 @dataclass
 class ServeStats:
     """Counters since start (what `GET /stats` reports)."""
@@ -155,15 +185,22 @@ class ServingEngine:
 
     def __init__(self, cfg: RunConfig, tokenizer: Tokenizer, model_name: str,
                  request_timeout_s: float = 600.0, max_restarts: int = 3,
-                 log: Callable[[str], object] | None = None) -> None:
+                 log: Callable[[str], object] | None = None,
+                 restart_window_s: float = 3600.0) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
-        self.max_restarts = max_restarts
+        self.restarts = RestartBudget(max_restarts, restart_window_s)
         """After a node or the scheduler fails, start a new cluster on the same store (its
-        persisted KV is kept), at most this many times; then the server stays failed."""
+        persisted KV is kept), at most `max_restarts` times within any `restart_window_s`;
+        past that the server stays failed."""
         self.num_restarts = 0
+        """Restarts over the server's life."""
+        self._num_unpersisted_before = 0
+        """Blocks earlier (failed) clusters could not persist."""
+        self._num_unpersisted_warned = 0
+        self._next_unpersisted_warning_at = 0.0
         self._log = log or (lambda _m: None)
         self.cluster = Cluster(cfg)
         if tokenizer.vocab_size > self.cluster.vocab_size:
@@ -189,6 +226,12 @@ class ServingEngine:
     @property
     def max_prompt_tokens(self) -> int:
         return self.cluster.max_prompt_tokens
+
+    @property
+    def num_unpersisted_blocks(self) -> int:
+        """KV blocks the cluster (and any it replaced) could not persist (a full disk, a
+        read-only store); each is a later cache miss."""
+        return self._num_unpersisted_before + self.cluster.num_unpersisted_blocks
 
     @property
     def is_healthy(self) -> bool:
@@ -227,6 +270,7 @@ class ServingEngine:
                 if not self._restart(exc):
                     return
                 continue
+            self._warn_if_unpersisted()
             if msg is None:
                 continue
             with self._lock:
@@ -238,17 +282,33 @@ class ServingEngine:
             if gen is not None:
                 gen._put(msg)
 
+    def _warn_if_unpersisted(self) -> None:
+        """Log when more blocks went unpersisted, at most once a minute (the nodes print
+        why). Checked before each message is routed, so a request whose blocks failed to
+        persist finishes after the warning."""
+        n = self.num_unpersisted_blocks
+        now = time.monotonic()
+        if n > self._num_unpersisted_warned and now >= self._next_unpersisted_warning_at:
+            self._num_unpersisted_warned = n
+            self._next_unpersisted_warning_at = now + 60.0
+            self._log(f"warning: {n} KV blocks could not be persisted so far (storage writes "
+                      "fail); serving goes on, later requests recompute them")
+
     def _restart(self, exc: BaseException) -> bool:
         """A new cluster on the same store in place of a failed one (the requests in flight
-        have failed); False when no restart is left or the server is stopping."""
-        if self.num_restarts >= self.max_restarts or self._is_stopping.is_set():
-            self._log(f"cluster failed: {exc}; not restarting")
+        have failed); False when the window has no restart left or the server is stopping."""
+        budget = self.restarts
+        if self._is_stopping.is_set() or not budget.try_take():
+            self._log(f"cluster failed: {exc}; not restarting ({budget.max_restarts} restarts "
+                      f"within {budget.window_s:g} s used)")
             return False
         self.num_restarts += 1
         self._is_restarting = True
-        self._log(f"cluster failed: {exc}; restarting ({self.num_restarts} of "
-                  f"{self.max_restarts}) on the same store")
+        self._log(f"cluster failed: {exc}; restarting ({budget.num_in_window()} of "
+                  f"{budget.max_restarts}) on the same store (at most {budget.max_restarts} "
+                  f"per {budget.window_s:g} s)")
         self.cluster.close()
+        self._num_unpersisted_before += self.cluster.num_unpersisted_blocks
         if self._is_stopping.is_set():
             return False
         try:

@@ -44,6 +44,8 @@ FORMAT_NAME = "dualpath-trajectories"
 FORMAT_VERSION = 1
 _HEADER_FIELDS = {"format", "version", "max_len_tokens", "block_size_tokens", "meta"}
 _TRAJ_FIELDS = ("id", "append_tokens", "gen_tokens")
+EMPTY = "empty"
+"""Why a file with no line but blank ones is refused, by every trace reader alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,8 @@ def parse_json_line(path: str, lineno: int, text: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise TraceFormatError(path, lineno, f"invalid JSON: {exc.msg} (column {exc.colno})"
                                ) from None
+    except RecursionError:  # the C parser recurses per nesting level
+        raise TraceFormatError(path, lineno, "too deeply nested") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -188,7 +192,7 @@ def parse_trajectories(lines: Iterable[str], path: str = "<input>") -> Trajector
                                    f"header's max_len_tokens {mal}", "append_tokens")
         trajectories.append(t)
     if header is None:
-        raise TraceFormatError(path, 0, "empty file: expected a header line")
+        raise TraceFormatError(path, 0, EMPTY)
     mal, bs, meta = header
     return TrajectoryFile(tuple(trajectories), mal, bs, meta)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from dualpath.core.blocks import longest_prefix
 from dualpath.workload.errors import TraceFormatError
-from dualpath.workload.jsonl import TrajectoryFile, parse_json_line, trajectory_file
+from dualpath.workload.jsonl import EMPTY, TrajectoryFile, parse_json_line, trajectory_file
 from dualpath.workload.trajectory import FloatArray, IntArray, Trajectory
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -124,7 +124,8 @@ class MooncakeTrace:
 def parse_mooncake(
     lines: Iterable[str], path: str = "<input>", block_size_tokens: int = MOONCAKE_BLOCK_SIZE
 ) -> MooncakeTrace:
-    """Parse Mooncake lines (blank lines skipped). All or nothing; errors name `path:line`."""
+    """Parse Mooncake lines (blank lines skipped). All or nothing; errors name `path:line`
+    (a file of blank lines: `path: empty`)."""
     requests: list[MooncakeRequest] = []
     for lineno, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -160,6 +161,8 @@ def parse_mooncake(
                 f"ceil({lengths[0]}/{block_size_tokens}) = {want}", "hash_ids",
             )
         requests.append(MooncakeRequest(ts / 1000.0, lengths[0], lengths[1], tuple(ids)))
+    if not requests:
+        raise TraceFormatError(path, 0, EMPTY)
     return MooncakeTrace.from_requests(requests, block_size_tokens)
 
 

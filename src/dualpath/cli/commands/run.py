@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,8 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
         model=_model_source(args),
         num_prefill_nodes=args.prefill_nodes,
         num_decode_nodes=args.decode_nodes,
-        engines_per_node=args.engines_per_node or hw.gpus_per_node,
+        engines_per_node=(hw.gpus_per_node if args.engines_per_node is None
+                          else args.engines_per_node),
         storage_nic_bytes_per_s=snic,
         compute_nic_bytes_per_s=cnic,
         buffer_bytes=_buffer_bytes(args, hw.dram_buffer_bytes),
@@ -335,8 +337,12 @@ def run(args: argparse.Namespace) -> int:
             results[mode] = _run_mode(args, mode, trajectories)
         except DualPathError:
             raise
+        r = results[mode]
+        if r.num_unpersisted_blocks:
+            print(f"dualpath run: warning: {mode}: {r.num_unpersisted_blocks} KV blocks could not "
+                  "be persisted (the store's writes failed, see above); later turns recomputed "
+                  "them", file=sys.stderr, flush=True)
         if not args.json and not args.no_progress:
-            r = results[mode]
             print(f"{mode}: JCT {r.jct_s:.2f} s, {r.tokens_per_s:,.0f} tokens/s", flush=True)
     if args.json:
         out = {m: r.to_dict() for m, r in results.items()}

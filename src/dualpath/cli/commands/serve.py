@@ -51,7 +51,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="fail a request with no result after S seconds (default: %(default)s)")
     s.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="after a node or the scheduler fails, start a new cluster on the same "
-                   "store (its KV is kept) at most N times (default: %(default)s)")
+                   "store (its KV is kept) at most N times within --restart-window-s "
+                   "(default: %(default)s)")
+    s.add_argument("--restart-window-s", type=float, default=3600.0, metavar="S",
+                   help="the window --max-restarts counts restarts in; older ones no longer "
+                   "count (default: %(default)s)")
     s.add_argument("--quiet", action="store_true", help="no per-request log lines")
     add_cluster_arguments(p, model="smollm2", prefill_nodes=1, decode_nodes=1,
                           buffer_help=f"DRAM buffer per node, MiB (default: "
@@ -67,6 +71,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SpecError("serve", "port", args.port, "must be in [0, 65535]")
     if args.max_restarts < 0:
         raise SpecError("serve", "max_restarts", args.max_restarts, "must be >= 0")
+    if not args.restart_window_s > 0:
+        raise SpecError("serve", "restart_window_s", args.restart_window_s, "must be > 0")
     if args.request_timeout <= 0:
         raise SpecError("serve", "request_timeout", args.request_timeout, "must be > 0")
     source = _model_source(args)
@@ -83,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"dualpath serve: {message}", file=sys.stderr, flush=True)
 
         with ServingEngine(cfg, tokenizer, name, args.request_timeout, args.max_restarts,
-                           log) as engine:
+                           log, args.restart_window_s) as engine:
             server = make_server(engine, args.host, args.port, is_logging=not args.quiet)
             host, port = str(server.server_address[0]), int(server.server_address[1])
             print(f"dualpath serve: http://{host}:{port}/v1 (max {engine.max_sequence_tokens} "

@@ -28,6 +28,7 @@ from dualpath.core.validate import positive_int
 from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.fit import fit_params
 from dualpath.workload.jsonl import (
+    EMPTY,
     TrajectoryFile,
     parse_trajectories,
     trajectory_file,
@@ -126,7 +127,7 @@ def _detect(lines: list[str], path: str) -> str:
                 return "mooncake"
             raise TraceFormatError(path, 1, "neither a trajectory header nor a Mooncake request;"
                                    " pass --format")
-    raise TraceFormatError(path, 0, "empty file")
+    raise TraceFormatError(path, 0, EMPTY)
 
 
 def _fit_target(text: str) -> Table2Row:
@@ -335,8 +336,6 @@ def run_stats(args: argparse.Namespace) -> int:
     fmt = args.format if args.format != "auto" else _detect(lines, name)
     if fmt == "mooncake":
         trace = parse_mooncake(lines, name)
-        if trace.num_requests == 0:
-            raise TraceFormatError(name, 0, "no requests")
         if args.plot:
             _plot_mooncake(trace, args.plot)
         print(json.dumps(_mooncake_dict(trace), indent=2) if args.json
