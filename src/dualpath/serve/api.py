@@ -45,6 +45,7 @@ from http import HTTPStatus
 from importlib.metadata import version
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -596,6 +597,19 @@ class _TimedH11(H11Protocol):
         if self.cycle is not before and self._head_timer is not None:
             self._head_timer.cancel()  # a whole head arrived
             self._head_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad Content-Length, a broken head): OpenAI's error
+        shape too, not uvicorn's plain text."""
+        body = json.dumps(bad_request(None, f"invalid HTTP request: {msg}").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                             reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
