@@ -230,27 +230,26 @@ async def merged(streams: Sequence[AsyncGenerator[Piece]]) -> AsyncIterator[Piec
 
 
 # -- response objects -------------------------------------------------------------------------
-def _token_text(tok: Tokenizer, token_id: int) -> str:
-    return tok.decode([token_id])
+TokenText = Callable[[int], str]
 
 
-def completion_logprobs(tok: Tokenizer, lps: Sequence[TokenLogprobs],
+def completion_logprobs(name: TokenText, lps: Sequence[TokenLogprobs],
                         offset: int) -> dict[str, Any]:
     """OpenAI's legacy completion `logprobs` object; `offset`: the text before them."""
     tokens, offsets = [], []
     for lp in lps:
         offsets.append(offset)
-        text = _token_text(tok, lp.token_id)
+        text = name(lp.token_id)
         tokens.append(text)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{_token_text(tok, t): finite(v) for t, v in lp.top} for lp in lps],
+            "top_logprobs": [{name(t): finite(v) for t, v in lp.top} for lp in lps],
             "text_offset": offsets}
 
 
-def chat_logprobs(tok: Tokenizer, lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(name: TokenText, lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tok, token_id)
+        text = name(token_id)
         return {"token": text, "logprob": finite(logprob),
                 "bytes": list(text.encode("utf-8", "replace"))}
 
@@ -281,10 +280,13 @@ class _Reply:
         if self.req.num_logprobs is None:
             return None
         tok = self.engine.tokenizer
+
+        def name(token_id: int) -> str:
+            return f"token_id:{token_id}" if self.req.is_token_ids else tok.decode([token_id])
+
         if self.req.is_chat:
-            return chat_logprobs(tok, piece.logprobs)
-        out = completion_logprobs(tok, piece.logprobs, self.offsets[piece.index])
-        return out
+            return chat_logprobs(name, piece.logprobs)
+        return completion_logprobs(name, piece.logprobs, self.offsets[piece.index])
 
     def choice(self, piece: Piece, is_delta: bool, is_first: bool = False) -> dict[str, Any]:
         lp = self.logprobs(piece)
@@ -418,7 +420,12 @@ def _guarded(app: AsgiApp, config: ServerConfig) -> AsgiApp:
                 is_body_done = not msg.get("more_body", False)
             return msg
 
-        await app(scope, limited, send)
+        try:
+            await app(scope, limited, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs after a graceful shutdown's grace period:
+            # ending here keeps its "Exception in ASGI application" traceback off stderr.
+            return None
         return None
 
     return guarded

@@ -119,7 +119,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "structured_outputs": (None,), "priority": (None, 0), "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "return_token_ids": (None, False),
     "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
     "prompt_embeds": (None,), "request_id": (None,), "suffix": (None, ""),
     # declared by one endpoint only
@@ -158,6 +158,8 @@ class _Request(_Strict):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     """Keep only the prompt's last this many tokens."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens `token_id:<id>` rather than by their text."""
     # Declared, refused unless neutral (REFUSED).
     tools: Any = None
     tool_choice: Any = None
@@ -185,7 +187,6 @@ class _Request(_Strict):
     structured_outputs: Any = None
     priority: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     cache_salt: Any = None
     kv_transfer_params: Any = None
@@ -331,6 +332,8 @@ class ParsedRequest:
     num_logprobs: int | None = None
     is_skip_special_tokens: bool = True
     is_include_stop_str: bool = False
+    is_token_ids: bool = False
+    """Logprobs name tokens by id (`return_tokens_as_token_ids`)."""
 
     @property
     def gen(self) -> GenerateRequest:
@@ -441,6 +444,7 @@ def to_runtime(req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokeni
         num_logprobs=num_logprobs,
         is_skip_special_tokens=req.skip_special_tokens,
         is_include_stop_str=req.include_stop_str_in_output,
+        is_token_ids=req.return_tokens_as_token_ids,
     )
 
 
