@@ -25,7 +25,6 @@ the driver what the driver needs and answers the fetches itself.
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from dataclasses import dataclass, field
 
 from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
@@ -203,7 +202,8 @@ class NodeStats:
     read_q_tokens: int = 0
     """Tokens queued for storage reads on this node's storage NIC now."""
     is_final: bool = True
-    taken_at: float = field(default_factory=time.time)
+    taken_at: float = 0.0
+    """When the node took these counters (time.time)."""
 
 
 @dataclass(frozen=True)

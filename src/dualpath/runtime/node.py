@@ -281,6 +281,7 @@ class NodeContext:
             bytes_by_path=dict(self.bytes_by_path),
             store_counters=dict(self.store_counters),
             read_q_tokens=self.read_q_tokens,
+            taken_at=time.time(),
             buffer_peak_slots=self.pool.peak_used,
             buffer_waits=self.pool.num_waits,
             num_batches=self.tm.num_batches,
