@@ -38,6 +38,7 @@ import torch
 
 from dualpath.runtime.cluster import RunConfig
 from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine, make_server
 
 MiB = 2**20
@@ -125,8 +126,10 @@ def api_overhead(num_requests: int) -> dict[str, float]:
 
             def direct(p: list[int]) -> float:
                 t = time.perf_counter()
-                engine.generate(GenerateRequest(tuple(p), GEN * 2, temperature=0,
-                                                is_ignore_eos=True)).result()
+                # Streaming, as the API submits every request.
+                engine.generate(GenerateRequest(
+                    tuple(p), SamplingParams(max_tokens=GEN * 2, is_ignore_eos=True),
+                    is_streaming=True)).result()
                 return time.perf_counter() - t
 
             def http(p: list[int]) -> float:
@@ -154,8 +157,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=6, help="concurrent conversations")
     ap.add_argument("--turns", type=int, default=2, help="follow-up turns per conversation")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--api-only", action="store_true", help="only the API's own cost")
     args = ap.parse_args()
     torch.set_num_threads(1)  # node threads share this process
+    if args.api_only:
+        report_api_overhead()
+        return
     run_mode("dualpath", 2, 1)  # warm-up: first-touch memory, model build, HTTP stack
     results: dict[str, list[dict[str, float]]] = {"basic": [], "dualpath": [], "oracle": []}
     for _ in range(args.repeats):
@@ -177,6 +184,10 @@ def main() -> None:
                               for o, d in zip(results["oracle"], results["dualpath"], strict=True))
     print(f"  oracle / dualpath wall time: {reach:.2f} (DualPath reaches {reach:.0%} of the "
           "I/O-free oracle)")
+    report_api_overhead()
+
+
+def report_api_overhead() -> None:
     over = api_overhead(20)
     d_ms, h_ms = over["direct_s"] * 1e3, over["http_s"] * 1e3
     print(f"API overhead (oracle, 1P1D, one request at a time, medians of 20): {d_ms:.1f} ms "

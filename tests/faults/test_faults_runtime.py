@@ -13,6 +13,7 @@ import pytest
 from dualpath.cli.main import main
 from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
 from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine
 
 Mount = Callable[[int], Path]
@@ -94,8 +95,8 @@ def test_a_server_on_a_full_disk_keeps_serving_and_says_so(tmpfs: Mount) -> None
                        log=logs.append) as engine:
         for k in range(3):
             prompt = tuple(range(1 + k, 400 + k))  # six blocks each: more than the disk holds
-            fin = engine.generate(GenerateRequest(prompt, 4, temperature=0,
-                                                  is_ignore_eos=True)).result()
+            fin = engine.generate(GenerateRequest(prompt, SamplingParams(
+                max_tokens=4, temperature=0.0, is_ignore_eos=True))).result()
             assert len(fin.output_ids) == 4
         assert engine.is_healthy and engine.num_restarts == 0
         n = engine.num_unpersisted_blocks

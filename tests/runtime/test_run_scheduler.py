@@ -24,6 +24,7 @@ from dualpath.runtime.messages import (
     Shutdown,
     TurnDone,
 )
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import (
     SCHEDULER_NODE,
     RuntimeScheduler,
@@ -50,16 +51,7 @@ def make(forced: str | None = None) -> RuntimeScheduler:
 
 
 def submit(s: RuntimeScheduler, rid: int, prompt: int, hit_blocks: int, gen: int = 8) -> None:
-    tokens = tuple(range(prompt))
-    s.submit(
-        Submitted(
-            WaitingRequest(rid, prompt, hit_blocks * BS, gen),
-            tokens,
-            tuple(block_keys(tokens, BS)),
-            0.0,
-            rid,
-        )
-    )
+    s.submit(_submitted(rid, prompt, hit_blocks, gen))
 
 
 def loads(node: int, free_hbm: int, read_q: int = 0) -> tuple[EngineLoad, ...]:
@@ -173,8 +165,7 @@ def _submitted(rid: int, prompt: int, hit_blocks: int, gen: int = 8) -> Submitte
         WaitingRequest(rid, prompt, hit_blocks * BS, gen),
         tokens,
         tuple(block_keys(tokens, BS)),
-        0.0,
-        rid,
+        SamplingParams(max_tokens=gen, seed=rid),
     )
 
 

@@ -20,7 +20,8 @@ from dualpath.runtime.model import SamplingParams
 from dualpath.runtime.node import ModelSource, build_model, model_tokenizer
 from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
 from dualpath.serve import ApiError, ServingEngine, make_server, parse_request
-from dualpath.serve.api import ApiServer, Limits, TextStream
+from dualpath.serve.api import ApiServer, TextStream
+from dualpath.serve.protocol import Limits
 
 MiB = 2**20
 TOK = Tokenizer.byte_level(512)
@@ -42,27 +43,29 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 # -- validation -------------------------------------------------------------------------------
 def test_tiny_temperatures_are_greedy() -> None:
-    assert parse({**CHAT, "temperature": 1e-300}).gen.temperature == 0.0
-    assert parse({**CHAT, "temperature": 0.5}).gen.temperature == 0.5
+    assert parse({**CHAT, "temperature": 1e-300}).gen.sampling.temperature == 0.0
+    assert parse({**CHAT, "temperature": 0.5}).gen.sampling.temperature == 0.5
 
 
 def test_chat_request_uses_the_chatml_prompt_and_openai_defaults() -> None:
     req = parse({**CHAT, "model": "tiny", "max_tokens": 5, "seed": 7, "stop": "x"})
     assert list(req.gen.prompt_ids) == TOK.encode_chat([ChatMessage("user", "hi")])
-    assert (req.gen.max_tokens, req.gen.temperature, req.gen.seed) == (5, 1.0, 7)
+    sampling = req.gen.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.seed) == (5, 1.0, 7)
     assert req.stop == ("x",) and req.is_chat and not req.is_client_streaming
     assert req.gen.is_streaming  # stop strings: the server watches tokens as they come
     parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
     assert parts.gen.prompt_ids == req.gen.prompt_ids
     # Without max_tokens a chat reply may use what the sequence limit leaves.
-    assert parse(CHAT).gen.max_tokens == LIMITS.max_sequence_tokens - len(req.gen.prompt_ids)
+    room = LIMITS.max_sequence_tokens - len(req.gen.prompt_ids)
+    assert parse(CHAT).gen.sampling.max_tokens == room
 
 
 def test_completion_takes_text_or_token_ids() -> None:
     assert parse({"prompt": "abc"}, is_chat=False).gen.prompt_ids == tuple(TOK.encode("abc"))
     ids = parse({"prompt": [5, 6, 7], "max_tokens": 2}, is_chat=False).gen
-    assert ids.prompt_ids == (5, 6, 7) and ids.max_tokens == 2
-    assert parse({"prompt": ["abc"]}, is_chat=False).gen.max_tokens == 16  # OpenAI's default
+    assert ids.prompt_ids == (5, 6, 7) and ids.sampling.max_tokens == 2
+    assert parse({"prompt": ["abc"]}, is_chat=False).gen.sampling.max_tokens == 16  # OpenAI's
 
 
 @pytest.mark.parametrize(
@@ -71,8 +74,13 @@ def test_completion_takes_text_or_token_ids() -> None:
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", 400),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
         ({"messages": []}, "messages", 400),
-        ({**CHAT, "n": 2}, "n", 400),
-        ({**CHAT, "logprobs": True}, "logprobs", 400),
+        ({**CHAT, "n": 0}, "n", 400),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs", 400),  # needs logprobs: true
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools", 400),
+        ({**CHAT, "no_such_field": 1}, "no_such_field", 400),
+        ({**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content",
+         400),
         ({**CHAT, "temperature": 3}, "temperature", 400),
         ({**CHAT, "temperature": float("nan")}, "temperature", 400),
         ({**CHAT, "top_p": float("inf")}, "top_p", 400),
@@ -83,7 +91,7 @@ def test_completion_takes_text_or_token_ids() -> None:
         ({**CHAT, "max_completion_tokens": 10_000}, "max_completion_tokens", 400),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
         ({**CHAT, "stream": "yes"}, "stream", 400),
-        ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", 400),
+        ({**CHAT, "frequency_penalty": 2.5}, "frequency_penalty", 400),
         ({**CHAT, "model": "gpt-4"}, "model", 404),
     ],
 )
@@ -171,6 +179,7 @@ def test_models_health_and_routes(server: ApiServer) -> None:
     status, models = call(server, "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
     assert call(server, "/v1/nothing")[0] == 404
+    assert call(server, "/v1/completions")[0] == 405  # a GET on a POST route
     status, err = call(server, "/v1/chat/completions", raw=b"{not json")
     assert status == 400 and "invalid JSON" in err["error"]["message"]
 
@@ -236,9 +245,9 @@ def test_concurrent_requests_each_get_their_own_reply(server: ApiServer) -> None
 def test_cancel_ends_a_long_generation_early(server: ApiServer) -> None:
     from dualpath.serve import GenerateRequest
 
-    gen = server.engine.generate(GenerateRequest(tuple(range(3, 13)), max_tokens=3000,
-                                                 temperature=0, is_streaming=True,
-                                                 is_ignore_eos=True))
+    gen = server.engine.generate(GenerateRequest(
+        tuple(range(3, 13)), SamplingParams(max_tokens=3000, is_ignore_eos=True),
+        is_streaming=True))
     first = next(gen.chunks())
     assert first
     gen.cancel()
@@ -276,7 +285,7 @@ def test_a_stop_string_cuts_the_reply_and_cancels_the_request(server: ApiServer)
 def test_cluster_refusals_and_bad_fields_are_400s(server: ApiServer) -> None:
     status, err = call(server, "/v1/completions", {"prompt": [600, 1]})
     assert status == 400 and err["error"]["param"] == "prompt"  # id outside the vocabulary
-    status, err = call(server, "/v1/chat/completions", {**CHAT, "n": 3})
+    status, err = call(server, "/v1/chat/completions", {**CHAT, "n": 65})
     assert status == 400 and err["error"]["param"] == "n"
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from dualpath.runtime.cluster import RunConfig
 from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServeError, ServingEngine, make_server
 from dualpath.serve.engine import RestartBudget
 
@@ -32,6 +33,12 @@ def get(url: str, body: object = None) -> tuple[int, dict[str, object]]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def request(prompt_ids: tuple[int, ...], max_tokens: int, is_streaming: bool = False,
+            **sampling: Any) -> GenerateRequest:
+    return GenerateRequest(prompt_ids, SamplingParams(max_tokens=max_tokens, **sampling),
+                           is_streaming)
 
 
 def tiny_cluster(tmp_path: Path, **fields: Any) -> RunConfig:
@@ -67,7 +74,7 @@ def test_a_failed_node_fails_the_request_and_the_server_reports_it(tmp_path: Pat
         status, err = get(f"{base}/v1/completions", {"prompt": list(range(1, 100))})
         assert status == 400 and err["error"]["param"] == "prompt"  # type: ignore[index]
         # ...submitted past it, the prefill node's reader fails and takes the cluster down.
-        gen = engine.generate(GenerateRequest(tuple(range(1, 100)), 4))
+        gen = engine.generate(request(tuple(range(1, 100)), 4))
         with pytest.raises(ServeError, match="BufferFullError"):
             gen.result()
         assert get(f"{base}/health")[0] == 503
@@ -81,11 +88,11 @@ def test_a_full_buffer_defers_persistence_instead_of_deadlocking(tmp_path: Path)
     # want a slot to be persisted. A must not wait for a slot (B waits for A's engine).
     cfg = tiny_cluster(tmp_path, buffer_bytes=8 * 16 * 1024, compute_nic_bytes_per_s=1e6)
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60) as engine:
-        a = engine.generate(GenerateRequest(tuple(range(3, 19)), 300, temperature=0,
+        a = engine.generate(request(tuple(range(3, 19)), 300, temperature=0,
                                             is_streaming=True, is_ignore_eos=True))
         chunks = a.chunks()
         next(chunks)
-        b = engine.generate(GenerateRequest(tuple(range(20, 20 + engine.max_prompt_tokens)), 4,
+        b = engine.generate(request(tuple(range(20, 20 + engine.max_prompt_tokens)), 4,
                                             temperature=0, is_ignore_eos=True))
         assert len(b.result().output_ids) == 4
         assert len(a.result().output_ids) == 300
@@ -129,9 +136,9 @@ def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: 
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60,
                        max_restarts=1, log=logs.append) as engine:
         first = tuple(range(100, 180))  # 5 blocks, persisted once served
-        before = engine.generate(GenerateRequest(first, 4, temperature=0, is_ignore_eos=True))
+        before = engine.generate(request(first, 4, temperature=0, is_ignore_eos=True))
         reply = before.result().output_ids
-        crash = engine.generate(GenerateRequest(tuple(range(1, 400)), 4))  # no buffer holds it
+        crash = engine.generate(request(tuple(range(1, 400)), 4))  # no buffer holds it
         with pytest.raises(ServeError, match="BufferFullError"):
             crash.result()
         deadline = time.monotonic() + 60
@@ -139,7 +146,7 @@ def test_a_failed_cluster_restarts_on_the_same_store_and_keeps_its_kv(tmp_path: 
             time.sleep(0.1)
         assert engine.is_healthy and engine.num_restarts == 1
         assert any("restarting (1 of 1)" in m for m in logs), logs
-        after = engine.generate(GenerateRequest(first + reply + (7, 8), 4, temperature=0,
+        after = engine.generate(request(first + reply + (7, 8), 4, temperature=0,
                                                 is_ignore_eos=True))
         fin = after.result()
         assert fin.cached_tokens >= 80  # read from the store the failed cluster wrote
@@ -168,7 +175,7 @@ def test_failures_further_apart_than_the_window_are_all_restarted(tmp_path: Path
     with ServingEngine(cfg, model_tokenizer(ModelSource("tiny")), "tiny", 60, max_restarts=1,
                        log=logs.append, restart_window_s=1e-3) as engine:
         for num_failures in (1, 2, 3):
-            crash = engine.generate(GenerateRequest(tuple(range(1, 400)), 4))  # fits no buffer
+            crash = engine.generate(request(tuple(range(1, 400)), 4))  # fits no buffer
             with pytest.raises(ServeError, match="BufferFullError"):
                 crash.result()
             deadline = time.monotonic() + 60
@@ -179,7 +186,7 @@ def test_failures_further_apart_than_the_window_are_all_restarted(tmp_path: Path
             assert engine.is_healthy and engine.num_restarts == num_failures, logs
         assert sum("restarting (1 of 1) on the same store (at most 1 per 0.001 s)" in m
                    for m in logs) == 3, logs
-        fin = engine.generate(GenerateRequest((5, 6, 7), 3, is_ignore_eos=True)).result()
+        fin = engine.generate(request((5, 6, 7), 3, is_ignore_eos=True)).result()
         assert len(fin.output_ids) == 3
 
 
@@ -198,7 +205,7 @@ def test_a_killed_node_process_is_noticed_under_traffic_and_replaced(tmp_path: P
         def client(k: int) -> None:  # keeps messages flowing to the driver all the time
             while not stop.is_set():
                 try:
-                    engine.generate(GenerateRequest(tuple(range(1 + k, 30 + k)), 200,
+                    engine.generate(request(tuple(range(1 + k, 30 + k)), 200,
                                                     is_streaming=True,
                                                     is_ignore_eos=True)).result()
                     outcomes.append("ok")

@@ -10,8 +10,9 @@ import pytest
 
 from dualpath.core.analysis import analyze
 from dualpath.core.cluster import ClusterSpec
-from dualpath.core.hardware import hardware_preset
+from dualpath.core.hardware import HardwareSpec, hardware_preset
 from dualpath.core.model import model_preset
+from dualpath.core.storage import storage_read_model
 from dualpath.core.units import GB
 from dualpath.sched import cost
 from dualpath.sched.params import derive_scheduler_params
@@ -39,6 +40,12 @@ def _agents(num_agents: int, num_turns: int, append: int, gen: int, first: int) 
             ctx = prompt + gen
         agents.append(turns)
     return Workload.from_lists(agents)
+
+
+def _read_rate(hw: HardwareSpec, kv_bytes_per_token: int) -> float:
+    """A storage NIC's KV read rate: the preset's calibrated storage model."""
+    return storage_read_model(hw.name).read_bytes_per_s(hw.storage_nic_bytes_per_s,
+                                                         kv_bytes_per_token * BS)
 
 
 def _run(cluster: ClusterSpec, wl: Workload, mode: str, **kw: object) -> SimResult:
@@ -127,9 +134,9 @@ def test_one_request_on_one_engine_matches_hand_computation() -> None:
     m, hw, c = cl.model, cl.hardware, sim.coeffs
     kv = m.kv_bytes_per_token
     b = min(hw.compute_nic_bytes_per_s, hw.pcie_bytes_per_s)
-    # Equal (empty) read queues: the paper's rule reads on the PE side; the SNIC is the
-    # narrowest link of the read (DRAM is 10x faster).
-    t_read = hit * kv / hw.storage_nic_bytes_per_s
+    # Equal (empty) read queues: the paper's rule reads on the PE side; the SNIC, at the
+    # preset's calibrated read rate, is the narrowest link of the read (DRAM is 10x faster).
+    t_read = hit * kv / _read_rate(hw, kv)
     # One synchronized step: engine 0 attends, the 7 others only pay the fixed time; FFN is
     # expert-parallel over the 8 engines. The PE CNIC read direction carries the hits twice
     # (to HBM, then to the DE buffer) plus the miss KV, overlapped with compute.
@@ -285,7 +292,7 @@ def test_online_stops_at_steady_state() -> None:
 def test_utilization_series_integrate_to_bytes_carried() -> None:
     cl = _cluster(1, 1)
     r = _run(cl, IO_BOUND, "dualpath", params=SimParams(utilization_bin_s=0.5))
-    cap = cl.hardware.storage_nic_bytes_per_s
+    cap = _read_rate(cl.hardware, cl.model.kv_bytes_per_token)
     for node, series in enumerate(r.storage_read_series_by_node):
         assert len(series) == int(np.ceil(r.duration_s / 0.5))
         assert max(series) <= 1.0 + 1e-9

@@ -87,7 +87,8 @@ read off the paper's figures (about +-5%).
 How to read it: each section states the paper's claim, shows our numbers and the paper's side
 by side where the paper gives values, and says where we differ. A mismatch is reported, not
 tuned away: only the Oracle JCTs of Fig. 7 were fitted (per model a GPU-time factor and a
-cap on the sequences a decode engine holds).
+cap on the sequences a decode engine holds), and the storage read rate of the paper's nodes
+(one number, on DS 27B 1P1D Basic at 32K and 64K; section `storage`).
 {scale_note}
 Experiments and their wall times:
 
@@ -99,8 +100,9 @@ QUICK_NOTE = """
 (512) instead of 512-4,096, fewer MAL columns and sweep points (Fig. 8 at 32K only); online
 runs use the 32K trace for 600 simulated seconds instead of the 64K trace for 2,400; Table 3
 scales by 2x instead of 24x. The shapes are the
-paper's; the absolute sizes are not. Larger runs, where made, are under "Separate runs" at
-the end.
+paper's; the absolute sizes are not, and claims that need load (Fig. 9 at 64 agents, the
+speedups at 512) fail at this size for that reason alone: their `full` rows, where run, are the
+ones to read. Larger runs are under "Separate runs" at the end.
 """
 
 

@@ -28,7 +28,6 @@ could otherwise wait on each other.
 from __future__ import annotations
 
 import itertools
-import math
 import multiprocessing as mp
 import multiprocessing.queues
 import os
@@ -38,7 +37,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dualpath.core.blocks import block_keys
@@ -60,6 +59,7 @@ from dualpath.runtime.messages import (
     TurnTokens,
 )
 from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
@@ -118,6 +118,8 @@ class RunConfig:
     """PE forward-pass quota of estimated attention time (paper A.4: 300 ms)."""
     max_batch_tokens: int | None = None
     """Optional cap on the new tokens of one PE forward pass (None: the quota alone)."""
+    stats_interval_s: float | None = None
+    """Nodes report their counters this often (`Cluster.live_stats`); None: at shutdown."""
     estimator: str = "measured"
     """PE pass-time estimator: measured (each prefill node times its model at start-up) or
     cost-model (deterministic; `runtime.estimator`)."""
@@ -395,6 +397,8 @@ class Cluster:
         self._is_closed = False
         self.failure_traceback = ""
         self._failed_nodes: set[int] = set()
+        self.live_stats: dict[int, NodeStats] = {}
+        """Each node's latest running counters (with `stats_interval_s`), by node id."""
         self._next_liveness_check = 0.0
         """Traceback of the node failure that aborted the run, if any (for debugging)."""
         self._num_fetches = 0
@@ -467,6 +471,7 @@ class Cluster:
             compute_quota_s=cfg.compute_quota_s,
             max_batch_tokens=cfg.max_batch_tokens,
             estimator=cfg.estimator,
+            stats_interval_s=cfg.stats_interval_s,
         )
 
     def _get(self, timeout_s: float, is_timeout_ok: bool = False) -> Message | None:
@@ -492,6 +497,9 @@ class Cluster:
                     raise RunError(
                         f"no message from the cluster within {timeout_s:g} s"
                     ) from None
+        if isinstance(msg, NodeStats) and not msg.is_final:
+            self.live_stats[msg.node] = msg
+            return self._get(max(0.0, deadline - time.monotonic()), is_timeout_ok)
         if isinstance(msg, NodeFailed):
             self._failed_nodes.add(msg.node)
             self.failure_traceback = msg.traceback
@@ -539,7 +547,9 @@ class Cluster:
         def submit(agent: AgentScript) -> None:
             k = next_turn[agent.agent_id]
             prompt = contexts[agent.agent_id] + list(agent.appends[k])
-            rid, hit = self.submit(prompt, agent.gen_tokens[k])
+            sampling = SamplingParams(max_tokens=agent.gen_tokens[k],
+                                      temperature=cfg.temperature, is_ignore_eos=True)
+            rid, hit = self.submit(prompt, sampling)
             in_flight[rid] = TurnRecord(
                 agent.agent_id, k, rid, len(prompt), hit, (), time.time(), 0.0, 0.0
             )
@@ -592,43 +602,34 @@ class Cluster:
         return (self.cfg.buffer_bytes // self.layout.full_block_bytes) * self.cfg.block_size
 
     def submit(
-        self,
-        prompt: Sequence[int],
-        max_tokens: int,
-        *,
-        temperature: float | None = None,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        is_ignore_eos: bool = True,
-        is_streaming: bool = False,
+        self, prompt: Sequence[int], sampling: SamplingParams, is_streaming: bool = False
     ) -> tuple[int, int]:
         """Submit one turn (thread-safe); returns `(request id, cache-hit tokens)`. Its
         `TurnDone` (and, if streaming, `TurnTokens`) come from `next_message`.
 
         The hit is the longest stored prefix of whole blocks, short of the last token (whose
-        logits the prefill must compute). Defaults: the run's temperature and a seed derived
-        from the run's seed and the request id. SpecError names a field that could never be
-        served (more tokens than a DE's memory or the model's positions: the request would
-        wait forever). A prompt longer than `max_prompt_tokens` fails its node
-        (`BufferFullError`); a server checks it first.
+        logits the prefill must compute). `sampling.seed` None: one derived from the run's
+        seed and the request id. SpecError names a field that could never be served (more
+        tokens than a DE's memory or the model's positions: the request would wait forever;
+        a token id outside the vocabulary). A prompt longer than `max_prompt_tokens` fails its
+        node (`BufferFullError`); a server checks it first.
         """
         cfg = self.cfg
         if not prompt:
             raise SpecError("request", "prompt", 0, "needs at least one token")
-        positive_int("request", "max_tokens", max_tokens)
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise SpecError("request", "prompt", bad,
                             f"token ids must be in [0, {self.vocab_size})")
+        bad = next((t for t in sampling.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise SpecError("request", "stop_token_ids", bad,
+                            f"token ids must be in [0, {self.vocab_size})")
+        max_tokens = sampling.max_tokens
         if len(prompt) + max_tokens > self.max_sequence_tokens:
             raise SpecError("request", "max_tokens", max_tokens,
                             f"prompt ({len(prompt)}) + max_tokens exceeds the "
                             f"{self.max_sequence_tokens} tokens one sequence may hold")
-        temp = cfg.temperature if temperature is None else temperature
-        if not (math.isfinite(temp) and temp >= 0.0):  # a node would fail on it
-            raise SpecError("request", "temperature", temp, "must be a finite number >= 0")
-        if not 0.0 < top_p <= 1.0:
-            raise SpecError("request", "top_p", top_p, "must be in (0, 1]")
         bs = cfg.block_size
         keys = block_keys(prompt, bs)
         num_hit = 0
@@ -636,15 +637,14 @@ class Cluster:
             num_hit = min(self._store.longest_prefix(keys), (len(prompt) - 1) // bs)
         with self._lock:
             rid = next(self._request_ids)
+        if sampling.seed is None:
+            sampling = replace(sampling, seed=cfg.seed * 1_000_003 + rid)
         self._sched_q.put(
             Submitted(
                 request=WaitingRequest(rid, len(prompt), num_hit * bs, max_tokens),
                 token_ids=tuple(prompt),
                 block_keys=tuple(keys),
-                temperature=temp,
-                sample_seed=cfg.seed * 1_000_003 + rid if seed is None else seed,
-                top_p=top_p,
-                is_ignore_eos=is_ignore_eos,
+                sampling=sampling,
                 is_streaming=is_streaming,
             )
         )
@@ -685,7 +685,7 @@ class Cluster:
             and time.monotonic() < deadline
         ):
             msg = self._next_msg(deadline)
-            if isinstance(msg, NodeStats):
+            if isinstance(msg, NodeStats) and msg.is_final:
                 stats[msg.node] = msg
             elif isinstance(msg, NodeFailed):
                 self._failed_nodes.add(msg.node)

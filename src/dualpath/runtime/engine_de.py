@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from dualpath.runtime.messages import (
     TurnDone,
     TurnTokens,
 )
-from dualpath.runtime.model import DecodeSequence, KVCache, SamplingParams
+from dualpath.runtime.model import DecodeSequence, KVCache
 from dualpath.runtime.node import NodeContext, ReadJob
 
 
@@ -68,7 +68,7 @@ class _DeRequest:
 
     @property
     def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.task.max_tokens
+        return self.num_prompt_tokens + self.task.sampling.max_tokens
 
 
 class DecodeEngine:
@@ -192,15 +192,8 @@ class DecodeEngine:
     def _admit(self, req: _DeRequest, done: PrefillDone) -> None:
         ctx, lay, task = self.ctx, self.ctx.layout, req.task
         n = req.num_prompt_tokens
-        params = SamplingParams(
-            max_tokens=task.max_tokens,
-            temperature=task.temperature,
-            top_p=task.top_p,
-            seed=task.sample_seed,
-            is_ignore_eos=task.is_ignore_eos,
-        )
-        seq = DecodeSequence(task.request_id, list(task.token_ids), n, params)
-        seq.append(done.first_token, self.model.config.eos_token_ids)
+        seq = DecodeSequence(task.request_id, list(task.token_ids), n, task.sampling)
+        seq.append(done.first_token, self.model.config.eos_token_ids, done.first_logprobs)
         slots = req.read.slots
         blocks = [ctx.pool.slot(s) for s in slots]
         self.cache.load_blocks(seq, lay, blocks, n)
@@ -251,7 +244,8 @@ class DecodeEngine:
             return
         out = seq.output_ids
         if len(out) > req.num_streamed:
-            self.ctx.send(None, TurnTokens(req.task.request_id, tuple(out[req.num_streamed:])))
+            self.ctx.send(None, TurnTokens(req.task.request_id, tuple(out[req.num_streamed:]),
+                                           tuple(seq.logprobs[req.num_streamed:])))
             req.num_streamed = len(out)
 
     def _persist_completed(self, req: _DeRequest) -> None:
@@ -293,14 +287,13 @@ class DecodeEngine:
             output_ids=tuple(seq.output_ids),
             first_token_at=req.first_token_at,
             done_at=0.0,
+            logprobs=tuple(seq.logprobs),
         )
 
         def report() -> None:
             with self._cond:
                 self._requests.pop(req.task.request_id, None)
-            self.ctx.send(
-                None, TurnDone(done.request_id, done.output_ids, done.first_token_at, time.time())
-            )
+            self.ctx.send(None, replace(done, done_at=time.time()))
 
         # Sent after this request's blocks are stored, so the next turn of the agent hits.
         self.ctx.write_queue.put(report)

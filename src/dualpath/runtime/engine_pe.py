@@ -56,8 +56,8 @@ from dualpath.runtime.messages import (
     PrefillTask,
     RemoteCharge,
 )
-from dualpath.runtime.model import SamplingParams, sample_token
 from dualpath.runtime.node import NodeContext, ReadJob
+from dualpath.runtime.sampling import sample
 from dualpath.sched.batching import BatchEntry, PrefillItem, pack_prefill_batch
 from dualpath.sched.cost import AttentionTimeEstimator
 
@@ -254,11 +254,9 @@ class PrefillEngine:
         for c in chunks:
             if not c.entry.is_chunk:
                 task = c.req.task
-                sampling = SamplingParams(
-                    max_tokens=task.max_tokens, temperature=task.temperature,
-                    top_p=task.top_p, seed=task.sample_seed,
-                )
-                first_tokens[id(c)] = sample_token(self.model.finish_prefill(c.state), sampling, 0)
+                first_tokens[id(c)] = sample(self.model.finish_prefill(c.state), task.sampling,
+                                             task.token_ids, len(task.token_ids),
+                                             self.model.config.eos_token_ids)
         # The next chunk of a request gathers this chunk's KV from the slots: wait for it.
         for f in shipped:
             f.result()
@@ -276,7 +274,8 @@ class PrefillEngine:
                 req.task.de_node,
                 PrefillDone(
                     req.task.request_id,
-                    first_tokens[id(c)],
+                    first_tokens[id(c)].token_id,
+                    first_tokens[id(c)].logprobs,
                     req.num_hit_blocks,
                     req.started_at,
                     time.time(),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from dataclasses import dataclass, field
 
+from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.types import WaitingRequest
 
@@ -49,11 +50,8 @@ class Submitted:
     request: WaitingRequest
     token_ids: tuple[int, ...]
     block_keys: tuple[bytes, ...]
-    temperature: float
-    sample_seed: int
-    top_p: float = 1.0
-    is_ignore_eos: bool = True
-    """Generate exactly `request.gen_tokens` tokens (agent replay); False stops at an EOS."""
+    sampling: SamplingParams
+    """Its seed is set; `max_tokens` is `request.gen_tokens`."""
     is_streaming: bool = False
     """The DE reports each decode step's new tokens (`TurnTokens`) before `TurnDone`."""
 
@@ -86,11 +84,7 @@ class PrefillTask:
     block_keys: tuple[bytes, ...]
     num_hit_blocks: int
     num_pe_blocks: int
-    max_tokens: int
-    temperature: float
-    sample_seed: int
-    top_p: float = 1.0
-    is_ignore_eos: bool = True
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -105,11 +99,7 @@ class DecodeTask:
     block_keys: tuple[bytes, ...]
     num_hit_blocks: int
     num_pe_blocks: int
-    max_tokens: int
-    temperature: float
-    sample_seed: int
-    top_p: float = 1.0
-    is_ignore_eos: bool = True
+    sampling: SamplingParams
     is_streaming: bool = False
 
 
@@ -140,6 +130,7 @@ class PrefillDone:
 
     request_id: int
     first_token: int
+    first_logprobs: TokenLogprobs | None
     num_hit_blocks: int
     """Blocks whose KV came from storage; the DE persists the prompt's full blocks after it."""
     prefill_started_at: float
@@ -162,6 +153,8 @@ class TurnTokens:
 
     request_id: int
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +165,8 @@ class TurnDone:
     output_ids: tuple[int, ...]
     first_token_at: float
     done_at: float
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per output token when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +182,8 @@ class RemoteCharge:
 
 @dataclass(frozen=True)
 class NodeStats:
-    """A node's counters at shutdown (bytes per path, port busy time, buffer use)."""
+    """A node's counters (bytes per path, port busy time, buffer use): at shutdown, and
+    while it runs when asked (`NodeConfig.stats_interval_s`, `is_final` False)."""
 
     node: int
     port_bytes: dict[str, int] = field(default_factory=dict)
@@ -203,6 +199,11 @@ class NodeStats:
     `num_chunked_entries` (entries that were a chunk, not a request's whole remainder)."""
     estimator: str = ""
     """The PE pass-time estimator (prefill nodes), one line."""
+    read_q_tokens: int = 0
+    """Tokens queued for storage reads on this node's storage NIC now."""
+    is_final: bool = True
+    taken_at: float = 0.0
+    """When the node took these counters (time.time)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ position's rotation is the same bits in prefill and decode whatever the batch sh
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,8 +24,11 @@ import torch.nn.functional as F
 
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.model import ModelSpec, dense_gqa_spec
-from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
+from dualpath.core.validate import non_negative_int, positive, positive_int
 from dualpath.runtime.kvlayout import KV_DTYPES, KVLayout
+from dualpath.runtime.sampling import SamplingParams, TokenLogprobs, sample
+
+__all__ = ["SamplingParams"]  # re-exported: where the model's callers have always found it
 
 ROPE_DTYPE = torch.float32
 
@@ -97,58 +99,6 @@ class ModelConfig:
             is_tied_embeddings=self.is_tied_embeddings,
             source=f"runtime model config {self.name}",
         )
-
-
-# -- sampling --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. `temperature == 0` is greedy (argmax, lowest id on ties).
-
-    Sampling is stateless: the token at generation step `i` is drawn with a generator seeded
-    from `(seed, i)`, so a PE sampling the first token and a DE sampling the rest reproduce a
-    single-process run exactly.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    """0: no top-k cut."""
-    top_p: float = 1.0
-    seed: int = 0
-    is_ignore_eos: bool = False
-    """Generate exactly `max_tokens` tokens even past an EOS (the paper's replay does)."""
-
-    def __post_init__(self) -> None:
-        positive_int("sampling", "max_tokens", self.max_tokens)
-        non_negative("sampling", "temperature", self.temperature)
-        non_negative_int("sampling", "top_k", self.top_k)
-        if not 0.0 < self.top_p <= 1.0:
-            raise SpecError("sampling", "top_p", self.top_p, "must be in (0, 1]")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """The token chosen from `logits` (`[vocab]`) at generation step `step` (0 = first)."""
-    if params.is_greedy:
-        return int(torch.argmax(logits).item())
-    scores = logits.detach().to("cpu", torch.float64) / params.temperature
-    if params.top_k and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
-        probs = probs.scatter(0, order[drop], 0.0)
-        probs = probs / probs.sum()
-    digest = hashlib.blake2b(f"{params.seed}:{step}".encode(), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 # -- weights ---------------------------------------------------------------------------------
@@ -240,7 +190,9 @@ class DecodeSequence:
     params: SamplingParams
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    """None while running; "length" or "eos" once finished."""
+    """None while running; "length" or "eos" (an EOS or stop token) once finished."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """One per generated token when `params.num_logprobs` is set."""
 
     @property
     def num_generated(self) -> int:
@@ -259,15 +211,25 @@ class DecodeSequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, eos_token_ids: Sequence[int]) -> None:
-        """Record a generated token and decide whether the sequence is finished."""
+    def append(self, token: int, eos_token_ids: Sequence[int],
+               logprobs: TokenLogprobs | None = None) -> None:
+        """Record a generated token (and its logprobs) and decide whether the sequence is
+        finished."""
         if self.is_finished:
             raise ValueError(f"sequence {self.seq_id} is already finished")
         self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if self.num_generated >= self.params.max_tokens:
             self.finish_reason = "length"
-        elif not self.params.is_ignore_eos and token in eos_token_ids:
+        elif self.params.stops_at(token, eos_token_ids):
             self.finish_reason = "eos"
+
+    def sample(self, logits: torch.Tensor, eos_token_ids: Sequence[int]) -> int:
+        """Sample the next token from `logits` and append it."""
+        out = sample(logits, self.params, self.token_ids, self.num_prompt_tokens, eos_token_ids)
+        self.append(out.token_id, eos_token_ids, out.logprobs)
+        return out.token_id
 
 
 class KVCache:
@@ -616,9 +578,7 @@ class Model:
         logits = self._logits(h).float()
         tokens = []
         for i, seq in enumerate(seqs):
-            token = sample_token(logits[i], seq.params, seq.num_generated)
-            seq.append(token, self.config.eos_token_ids)
-            tokens.append(token)
+            tokens.append(seq.sample(logits[i], self.config.eos_token_ids))
         return tokens
 
     def start_decode(
@@ -630,7 +590,7 @@ class Model:
     ) -> DecodeSequence:
         """A decode sequence whose first token is sampled from the prefill's last logits."""
         seq = DecodeSequence(seq_id, [int(t) for t in prompt_ids], len(prompt_ids), params)
-        seq.append(sample_token(first_logits, params, 0), self.config.eos_token_ids)
+        seq.sample(first_logits, self.config.eos_token_ids)
         return seq
 
     def generate(

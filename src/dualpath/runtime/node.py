@@ -109,9 +109,14 @@ class NodeConfig:
     max_batch_tokens: int | None = None
     estimator: str = "measured"
     """PE pass-time estimator: measured (fitted at start-up) or cost-model (`estimator.py`)."""
+    stats_interval_s: float | None = None
+    """Send the node's counters (`NodeStats`, not final) this often while it runs; None:
+    only at shutdown."""
 
     def __post_init__(self) -> None:
         owner = f"node[{self.node}]"
+        if self.stats_interval_s is not None:
+            positive(owner, "stats_interval_s", self.stats_interval_s)
         positive_int(owner, "num_engines", self.num_engines)
         positive_int(owner, "buffer_bytes", self.buffer_bytes)
         positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
@@ -280,6 +285,8 @@ class NodeContext:
             port_busy_s={p.name: p.stats.busy_s for p in ports},
             bytes_by_path=dict(self.bytes_by_path),
             store_counters=dict(self.store_counters),
+            read_q_tokens=self.read_q_tokens,
+            taken_at=time.time(),
             buffer_peak_slots=self.pool.peak_used,
             buffer_waits=self.pool.num_waits,
             num_batches=self.tm.num_batches,
@@ -470,10 +477,14 @@ def _serve(ctx: NodeContext, inbox: Inbox) -> None:
         pending: deque[Message] = deque()
         early: dict[int, list[Message]] = defaultdict(list)
         next_parent_check = time.monotonic() + _PARENT_POLL_S
+        next_stats_at = time.monotonic()
         while True:
             if ctx.failure:
                 raise _NodeThreadFailed(*ctx.failure[0])
             now = time.monotonic()
+            if cfg.stats_interval_s is not None and now >= next_stats_at:
+                next_stats_at = now + cfg.stats_interval_s
+                ctx.send(None, replace(ctx.stats(), is_final=False))
             if not is_fetch_out and now >= next_fetch_at:
                 # read_q is a node value: every engine reports the same snapshot of it.
                 read_q = ctx.read_q_tokens

@@ -242,11 +242,7 @@ class RuntimeScheduler:
             block_keys=turn.block_keys,
             num_hit_blocks=plan.num_hit_blocks,
             num_pe_blocks=plan.num_pe_blocks,
-            max_tokens=turn.request.gen_tokens,
-            temperature=turn.temperature,
-            sample_seed=turn.sample_seed,
-            top_p=turn.top_p,
-            is_ignore_eos=turn.is_ignore_eos,
+            sampling=turn.sampling,
         )
 
     def _decode_task(
@@ -260,11 +256,7 @@ class RuntimeScheduler:
             block_keys=turn.block_keys,
             num_hit_blocks=plan.num_hit_blocks,
             num_pe_blocks=plan.num_pe_blocks,
-            max_tokens=turn.request.gen_tokens,
-            temperature=turn.temperature,
-            sample_seed=turn.sample_seed,
-            top_p=turn.top_p,
-            is_ignore_eos=turn.is_ignore_eos,
+            sampling=turn.sampling,
             is_streaming=turn.is_streaming,
         )
 

@@ -45,9 +45,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.inner.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no BOS/EOS added; chat formatting adds its own markers)."""
-        return list(self.inner.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added unless asked for; chat formatting adds its
+        own markers)."""
+        return list(self.inner.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP API over the real runtime (`dualpath serve`).
 
-- `engine`  `ServingEngine`: an emulated cluster (`runtime.Cluster`) and the dispatcher thread
-            that routes its results to concurrent requests (`Generation`).
-- `api`     request validation, OpenAI response and stream objects, the HTTP server.
+- `engine`    `ServingEngine`: an emulated cluster (`runtime.Cluster`) and the dispatcher
+              thread that routes its results to concurrent requests (`Generation`).
+- `protocol`  the request schemas (pydantic) and their translation into runtime requests.
+- `metrics`   `/metrics` in Prometheus text format (vLLM's names and DualPath's own).
+- `api`       the FastAPI app (routes, OpenAI response and stream objects) and the uvicorn
+              server.
 """
 
-from dualpath.serve.api import ApiError, make_server, parse_request
+from dualpath.serve.api import ApiServer, ServerConfig, make_app, make_server
 from dualpath.serve.engine import GenerateRequest, ServeError, ServingEngine
+from dualpath.serve.protocol import ApiError, parse_request
 
-__all__ = ["ApiError", "GenerateRequest", "ServeError", "ServingEngine", "make_server",
-           "parse_request"]
+__all__ = ["ApiError", "ApiServer", "GenerateRequest", "ServeError", "ServerConfig",
+           "ServingEngine", "make_app", "make_server", "parse_request"]

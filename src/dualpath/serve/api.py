@@ -1,265 +1,116 @@
-"""OpenAI-compatible HTTP API over a `ServingEngine` (standard library `http.server`).
+"""The OpenAI-compatible HTTP API over a `ServingEngine`: FastAPI on uvicorn.
 
-Endpoints:
+    GET  /health /version /metrics       open (the rest needs the API key when one is set)
+    GET  /v1/models  /v1/models/{id}     the one served model
+    GET  /stats                          requests, tokens, storage counters, the cluster's shape
+    POST /v1/completions                 `prompt`: text, token ids, or a list of prompts
+    POST /v1/chat/completions            `messages` in the model's own chat template
+    POST /tokenize  /detokenize          vLLM's
 
-    GET  /health               200 while the cluster serves, 503 once it failed
-    GET  /v1/models            the one served model
-    GET  /stats                requests, prompt / cached / generated tokens, the cluster's shape
-    POST /v1/completions       `prompt` (text or token ids), OpenAI's completion objects
-    POST /v1/chat/completions  `messages` in the model's own chat template (ChatML without one)
+Requests are the pydantic schemas of `protocol`; every error has OpenAI's shape
+(`{"error": {"message", "type", "param", "code"}}`): 400 naming the field, 401 without the API
+key, 404, 405, 413 for a body over `MAX_BODY_BYTES`, 503 while the cluster cannot serve.
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose KV the cluster read
+from storage. A stop string ends the reply and cancels the request there (the cluster ends it
+at its next decode step), as does a streaming client that disconnects.
 
-Both POST endpoints take `max_tokens` (chat also `max_completion_tokens`), `temperature`,
-`top_p`, `seed`, `stop` (up to 4 strings), `stream` with `stream_options.include_usage`, and
-vLLM's `ignore_eos`. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose
-KV the cluster read from storage (whole blocks of an earlier request's prompt or output) instead
-of computing them. The reply ends at the first stop string, and the request is
-cancelled there (the cluster ends it at its next decode step), as is the request of a streaming
-client that disconnects. `n > 1`, `logprobs`, `echo`, penalties and tools are
-refused with a 400 naming the field, like every invalid value; errors use OpenAI's
-`{"error": {"message", "type", "param", "code"}}` shape.
+Each request waits on its `Generation` in the event loop (`achunks`), never in a thread, so
+hundreds of concurrent streams cost no threads. Connections are kept alive; a client must
+send a request's head within `head_timeout_s` of connecting (or of its previous response) and
+its body within `body_timeout_s`, and an idle kept-alive connection is closed after
+`keep_alive_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import json
-import math
-import sys
+import logging
+import socket
+import threading
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.metadata import version
 from typing import Any
 
-from dualpath.core.errors import DualPathError, SpecError
+import h11
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dualpath.core.errors import SpecError
+from dualpath.runtime.sampling import TokenLogprobs
 from dualpath.runtime.tokenizer import ChatMessage, Tokenizer, TokenizerError
-from dualpath.serve.engine import Finished, GenerateRequest, ServeError, ServingEngine
+from dualpath.serve.engine import Finished, Generation, ServeError, ServingEngine
+from dualpath.serve.metrics import CONTENT_TYPE, ServeMetrics, storage_counters
+from dualpath.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Limits,
+    ParsedRequest,
+    TokenizeRequest,
+    bad_request,
+    check_model,
+    finite,
+    to_runtime,
+    validation_error,
+)
 
 MAX_BODY_BYTES = 16 * 2**20
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for `/v1/completions`."""
-CHAT_DEFAULT_MAX_TOKENS = 512
-"""Chat's default: this, or what the sequence limit leaves after the prompt if less."""
-MAX_STOP_STRINGS = 4
-GREEDY_BELOW = 1e-5
-"""A `temperature` below this samples greedily."""
-ROLES = ("system", "user", "assistant", "tool", "developer")
-UNSUPPORTED_TRUTHY = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix",
-                      "best_of", "logit_bias", "response_format")
+VERSION = version("dualpath")
+OPEN_PATHS = ("/health", "/version", "/metrics", "/docs", "/openapi.json")
+"""Paths served without the API key (as vLLM's)."""
 
-
-class ApiError(DualPathError):
-    """An HTTP error in OpenAI's shape; `param` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-
-def _bad(param: str, why: str) -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, f"{param}: {why}", param)
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What one request may ask of the served cluster."""
+class ServerConfig:
+    """How the HTTP server treats connections and callers."""
 
-    model_name: str
-    max_sequence_tokens: int
-    max_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    gen: GenerateRequest
-    """`gen.is_streaming` is also set for stop strings: the server watches the tokens as they
-    come and cancels the request at the first stop string."""
-    stop: tuple[str, ...]
-    is_chat: bool
-    include_usage: bool
-    is_client_streaming: bool
-    """The client asked for server-sent events (`stream`)."""
+    api_key: str | None = None
+    """Callers must send `Authorization: Bearer <api_key>`; None: no key."""
+    backlog: int = 2048
+    """Connections the kernel queues before they are accepted."""
+    keep_alive_s: float = 5.0
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    is_logging: bool = True
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise _bad(name, f"must be a finite number, got {json.dumps(v)}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}")
-    return float(v)
-
-
-def _temperature(body: dict[str, Any]) -> float:
-    """`temperature` in [0, 2]; below `GREEDY_BELOW` it is greedy (0), as dividing logits
-    by a denormal would overflow them."""
-    t = _number(body, "temperature", 1.0, 0.0, 2.0)
-    return 0.0 if t < GREEDY_BELOW else t
-
-
-def _int(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(name, f"must be an integer, got {json.dumps(v)}")
-    return int(v)
-
-
-def _bool(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise _bad(name, f"must be true or false, got {json.dumps(v)}")
-    return v
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
-            or len(stops) > MAX_STOP_STRINGS):
-        raise _bad("stop", f"must be a non-empty string or a list of up to {MAX_STOP_STRINGS}")
-    return tuple(stops)
-
-
-def _messages(body: dict[str, Any]) -> list[ChatMessage]:
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise _bad("messages", "must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, "must be an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got "
-                                        f"{json.dumps(role)}")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content[{j}]", "only {type: text, text} parts are "
-                                                        "supported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise _bad(f"{where}.content", "must be a string or a list of text parts")
-        out.append(ChatMessage(str(role), content))
-    return out
-
-
-def _prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    v = body.get("prompt")
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
-        v = v[0]  # a batch of one
-    if isinstance(v, str):
-        ids = tokenizer.encode(v)
-    elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in v):
-        ids = list(v)
-    else:
-        raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
-    if not ids:
-        raise _bad("prompt", "is empty")
-    return ids
-
-
-def parse_request(body: Any, tokenizer: Tokenizer, limits: Limits,
-                  is_chat: bool) -> ParsedRequest:
-    """A validated request; ApiError (400, or 404 for another model) naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != limits.model_name:
-        raise ApiError(HTTPStatus.NOT_FOUND, f"model {json.dumps(model)} does not exist; this "
-                       f"server serves {json.dumps(limits.model_name)}", "model",
-                       code="model_not_found")
-    n = _int(body, "n")
-    if n not in (None, 1):
-        raise _bad("n", "only n=1 is supported")
-    for name in UNSUPPORTED_TRUTHY:
-        if body.get(name):
-            raise _bad(name, "is not supported by this server")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(name, "only 0 is supported")
-    if is_chat:
-        try:
-            prompt = tokenizer.apply_chat_template(_messages(body))
-        except TokenizerError as exc:  # the template refused the conversation
-            raise _bad("messages", str(exc)) from None
-    else:
-        prompt = _prompt(body, tokenizer)
-    if len(prompt) > limits.max_prompt_tokens:
-        raise _bad("messages" if is_chat else "prompt",
-                   f"{len(prompt)} tokens; at most {limits.max_prompt_tokens} are served")
-    room = limits.max_sequence_tokens - len(prompt)
-    if room < 1:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the prompt's {len(prompt)} tokens leave no "
-                       f"room in the {limits.max_sequence_tokens}-token sequence limit",
-                       "messages" if is_chat else "prompt", code="context_length_exceeded")
-    max_tokens = _int(body, "max_completion_tokens") if is_chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = min(room, CHAT_DEFAULT_MAX_TOKENS if is_chat
-                         else COMPLETION_DEFAULT_MAX_TOKENS)
-    name = "max_completion_tokens" if is_chat and "max_completion_tokens" in body \
-        else "max_tokens"
-    if max_tokens < 1:
-        raise _bad(name, f"must be >= 1, got {max_tokens}")
-    if max_tokens > room:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name}: prompt ({len(prompt)} tokens) + "
-                       f"{max_tokens} exceeds the {limits.max_sequence_tokens}-token sequence "
-                       "limit", name, code="context_length_exceeded")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options", "must be an object")
-    if options is not None and not _bool(body, "stream"):
-        raise _bad("stream_options", "is only allowed with stream: true")
-    stream, stop = _bool(body, "stream"), _stop(body)
-    gen = GenerateRequest(
-        prompt_ids=tuple(prompt),
-        max_tokens=max_tokens,
-        temperature=_temperature(body),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=_int(body, "seed"),
-        is_streaming=stream or bool(stop),
-        is_ignore_eos=_bool(body, "ignore_eos"),
-    )
-    return ParsedRequest(gen, stop, is_chat, _bool(options or {}, "include_usage"), stream)
-
-
+# -- text -------------------------------------------------------------------------------------
 class TextStream:
     """Token ids in, text out: decodes the whole output each time (so multi-byte characters
     split across tokens come out whole), holds back what could still become a stop string,
-    and cuts the text at the first stop string."""
+    and cuts the text at the first stop string (after it with `is_include_stop`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], is_include_stop: bool = False,
+                 is_skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.is_include_stop = is_include_stop
+        self.is_skip_special_tokens = is_skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self.num_sent = 0
@@ -273,10 +124,11 @@ class TextStream:
         if self.is_stopped:
             return ""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.is_skip_special_tokens)
+        cuts = [(i, len(s)) for s in self.stop if (i := text.find(s)) >= 0]
         if cuts:
-            text = text[: min(cuts)]
+            at, size = min(cuts)
+            text = text[: at + size if self.is_include_stop else at]
             self.is_stopped = True
             self.num_ids_at_stop = len(self.ids)
             safe = len(text)
@@ -297,225 +149,549 @@ class TextStream:
         return out
 
 
-def _num_completion(fin: Finished, stream: TextStream) -> int:
-    """Generated tokens up to the stop string when one ended the reply, else all of them."""
-    if stream.is_stopped:
-        return min(stream.num_ids_at_stop, len(fin.output_ids))
-    return len(fin.output_ids)
+# -- one choice -------------------------------------------------------------------------------
+@dataclass
+class Piece:
+    """What one choice adds to a reply: text, the logprobs of the tokens that made it, and
+    at the end the finish reason and the choice's result."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish: str | None = None
+    fin: Finished | None = None
+    num_completion: int = 0
 
 
-def _usage(fin: Finished, num_completion: int) -> dict[str, Any]:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": num_completion,
-            "total_tokens": fin.prompt_tokens + num_completion,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
-
-
-def _choice(req: ParsedRequest, text: str | None, finish: str | None,
-            is_delta: bool, is_first: bool = False) -> dict[str, Any]:
-    if not req.is_chat:
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-    if is_delta:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if is_first else {}
-        if text:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    return {"index": 0, "message": {"role": "assistant", "content": text or ""},
-            "finish_reason": finish, "logprobs": None}
-
-
-def complete(engine: ServingEngine, req: ParsedRequest) -> dict[str, Any]:
-    """Run a non-streaming request to its end (or to its first stop string, where it is
-    cancelled); the OpenAI response object."""
-    gen = engine.generate(req.gen)
-    stream = TextStream(engine.tokenizer, req.stop)
-    for ids in gen.chunks():
-        stream.push(ids)
-        if stream.is_stopped:
-            gen.cancel()
-    fin = gen.result()
-    stream.push((), is_final=True)
-    finish = "stop" if stream.is_stopped else fin.finish_reason
-    return {
-        "id": _new_id(req), "object": "chat.completion" if req.is_chat else "text_completion",
-        "created": int(time.time()), "model": engine.model_name,
-        "choices": [_choice(req, stream.text, finish, is_delta=False)],
-        "usage": _usage(fin, _num_completion(fin, stream)),
-        "dualpath": {"ttft_s": round(fin.ttft_s, 4), "total_s": round(fin.total_s, 4),
-                     "mode": engine.cfg.mode},
-    }
-
-
-def stream_events(engine: ServingEngine, req: ParsedRequest) -> Generator[dict[str, Any]]:
-    """The chunk objects of a streaming request (each becomes one `data:` event)."""
-    gen = engine.generate(req.gen)
-    rid, created = _new_id(req), int(time.time())
-    kind = "chat.completion.chunk" if req.is_chat else "text_completion"
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        # With include_usage every chunk has a `usage` key, null but in the last (OpenAI).
-        usage: dict[str, Any] = {"usage": None} if req.include_usage else {}
-        return {"id": rid, "object": kind, "created": created, "model": engine.model_name,
-                "choices": choices, **usage, **extra}
-
-    stream = TextStream(engine.tokenizer, req.stop)
+async def run_choice(engine: ServingEngine, req: ParsedRequest, index: int, gen: Generation,
+                     metrics: ServeMetrics) -> AsyncGenerator[Piece]:
+    """The pieces of choice `index` as its tokens come (the echoed prompt first); cancels the
+    request at its first stop string, and when the consumer stops early."""
+    tok = engine.tokenizer
+    stream = TextStream(tok, req.stop, req.is_include_stop_str, req.is_skip_special_tokens)
     try:
-        if req.is_chat:
-            yield chunk([_choice(req, "", None, is_delta=True, is_first=True)])
-        for ids in gen.chunks():
+        if req.is_echo:
+            yield Piece(index, tok.decode(req.prompts[index],
+                                          skip_special_tokens=req.is_skip_special_tokens), [])
+        async for ids in gen.achunks():
+            start = len(stream.ids)
             text = stream.push(ids)
-            if text:
-                yield chunk([_choice(req, text, None, is_delta=True)])
+            lps = gen.logprobs[start:len(stream.ids)] if req.num_logprobs is not None else []
+            if text or lps:
+                yield Piece(index, text, lps)
             if stream.is_stopped:
                 gen.cancel()
     finally:  # closed early (the client left): stop generating for nobody; else a no-op
         gen.cancel()
     fin = gen.result()
+    metrics.observe(fin)
     text = stream.push((), is_final=True)
-    finish = "stop" if stream.is_stopped else fin.finish_reason
-    yield chunk([_choice(req, text, finish, is_delta=True)])
-    if req.include_usage:
-        yield chunk([], usage=_usage(fin, _num_completion(fin, stream)))
+    if stream.is_stopped:  # counted up to the push that completed the stop string
+        yield Piece(index, text, [], "stop", fin, min(stream.num_ids_at_stop,
+                                                      len(fin.output_ids)))
+    else:
+        yield Piece(index, text, [], fin.finish_reason, fin, len(fin.output_ids))
 
 
-def _new_id(req: ParsedRequest) -> str:
-    return ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex[:24]
+async def merged(streams: Sequence[AsyncGenerator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of all choices as they come."""
+    if len(streams) == 1:
+        async for p in streams[0]:
+            yield p
+        return
+    out: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
-
-class ApiServer(ThreadingHTTPServer):
-    """One thread per connection; every request goes to `engine`."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], engine: ServingEngine,
-                 is_logging: bool = True) -> None:
-        self.engine = engine
-        self.is_logging = is_logging
-        self.limits = Limits(engine.model_name, engine.max_sequence_tokens,
-                             engine.max_prompt_tokens)
-        super().__init__(address, _Handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ApiServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if self.server.is_logging:
-            sys.stderr.write(f"dualpath serve: {self.address_string()} {format % args}\n")
-
-    def _json(self, status: int, obj: dict[str, Any]) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        eng = self.server.engine
-        if self.path == "/health":
-            ok = eng.is_healthy
-            self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE,
-                       {"status": "ok" if ok else "unavailable"})
-        elif self.path == "/v1/models":
-            self._json(HTTPStatus.OK, {"object": "list", "data": [{
-                "id": eng.model_name, "object": "model", "created": int(eng.started_at),
-                "owned_by": "dualpath", "max_model_len": eng.max_sequence_tokens}]})
-        elif self.path == "/stats":
-            cfg, s = eng.cfg, eng.stats
-            self._json(HTTPStatus.OK, {
-                "model": eng.model_name, "mode": cfg.mode, "uptime_s": time.time() - eng.started_at,
-                "cluster": {"prefill_nodes": cfg.num_prefill_nodes,
-                            "decode_nodes": cfg.num_decode_nodes,
-                            "engines_per_node": cfg.engines_per_node},
-                "restarts": eng.num_restarts, "unpersisted_blocks": eng.num_unpersisted_blocks,
-                "requests": s.num_requests, "finished": s.num_finished,
-                "prompt_tokens": s.num_prompt_tokens, "cached_tokens": s.num_cached_tokens,
-                "generated_tokens": s.num_generated_tokens})
-        else:
-            self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route GET {self.path}"))
-
-    def do_POST(self) -> None:
-        self._is_body_read = False
-        self._is_stream_open = False
-        routes = {"/v1/completions": False, "/v1/chat/completions": True}
+    async def pump(s: AsyncGenerator[Piece]) -> None:
         try:
-            if self.path not in routes:
-                raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {self.path}")
-            req = parse_request(self._body(), self.server.engine.tokenizer, self.server.limits,
-                                is_chat=routes[self.path])
-            if req.is_client_streaming:
-                self._stream(req)
-            else:
-                self._json(HTTPStatus.OK, complete(self.server.engine, req))
-        except ApiError as err:
-            self._error(err)
-        except SpecError as err:  # the cluster refused a field
-            self._error(ApiError(HTTPStatus.BAD_REQUEST, str(err), err.field))
-        except ServeError as err:
-            self._error(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), kind="server_error"))
-        except Exception as exc:  # a bug: answer it rather than drop the connection
-            self.log_error("internal error: %r", exc)
-            if not self._is_stream_open:
-                self._error(ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                     f"internal error: {type(exc).__name__}: {exc}",
-                                     kind="server_error"))
-            self.close_connection = True
-
-    def _error(self, err: ApiError) -> None:
-        if not getattr(self, "_is_body_read", True):
-            self.close_connection = True  # its unread body must not be parsed as a request
-        self._json(err.status, err.body())
-
-    def _body(self) -> Any:
-        try:
-            size = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            size = -1
-        if size < 0:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "bad Content-Length header")
-        if size > MAX_BODY_BYTES:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"request body of {size} bytes; at most {MAX_BODY_BYTES}")
-        raw = self.rfile.read(size)
-        self._is_body_read = True
-        try:
-            return json.loads(raw or b"null")
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, huge ints
-            raise ApiError(HTTPStatus.BAD_REQUEST,
-                           f"invalid JSON body: {str(exc)[:200]}") from None
-
-    def _stream(self, req: ParsedRequest) -> None:
-        events = stream_events(self.server.engine, req)
-        first = next(events)  # submit errors become a JSON error, not a broken stream
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        self._is_stream_open = True
-        try:
-            self._event(first)
-            for ev in events:
-                self._event(ev)
-        except ServeError as err:
-            self._event(ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err),
-                                 kind="server_error").body())
-        except (BrokenPipeError, ConnectionResetError):
-            events.close()  # the client left: its request is cancelled
+            async for p in s:
+                await out.put(p)
+        except BaseException as exc:  # re-raised in the consumer
+            await out.put(exc)
             return
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        await out.put(None)
 
-    def _event(self, obj: dict[str, Any]) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await out.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            with contextlib.suppress(BaseException):
+                await s.aclose()
+
+
+# -- response objects -------------------------------------------------------------------------
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(name: TokenText, lps: Sequence[TokenLogprobs],
+                        offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completion `logprobs` object; `offset`: the text before them."""
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        text = name(lp.token_id)
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{name(t): finite(v) for t, v in lp.top} for lp in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(name: TokenText, lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = name(token_id)
+        return {"token": text, "logprob": finite(logprob),
+                "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+def _usage(req: ParsedRequest, ends: Sequence[Piece]) -> dict[str, Any]:
+    """Usage over all choices; the `n` choices of one prompt count it once (OpenAI)."""
+    firsts = [p.fin for p in ends if p.fin is not None and p.index % req.n == 0]
+    prompt = sum(f.prompt_tokens for f in firsts)
+    completion = sum(p.num_completion for p in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
+
+
+class _Reply:
+    """Builds one request's response objects."""
+
+    def __init__(self, engine: ServingEngine, req: ParsedRequest) -> None:
+        self.engine, self.req = engine, req
+        self.id = ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.offsets = [0] * len(req.gens)
+
+    def logprobs(self, piece: Piece) -> dict[str, Any] | None:
+        if self.req.num_logprobs is None:
+            return None
+        tok = self.engine.tokenizer
+
+        def name(token_id: int) -> str:
+            return f"token_id:{token_id}" if self.req.is_token_ids else tok.decode([token_id])
+
+        if self.req.is_chat:
+            return chat_logprobs(name, piece.logprobs)
+        return completion_logprobs(name, piece.logprobs, self.offsets[piece.index])
+
+    def choice(self, piece: Piece, is_delta: bool, is_first: bool = False) -> dict[str, Any]:
+        lp = self.logprobs(piece)
+        self.offsets[piece.index] += len(piece.text)
+        if not self.req.is_chat:
+            return {"index": piece.index, "text": piece.text, "finish_reason": piece.finish,
+                    "logprobs": lp}
+        if is_delta:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if is_first else {}
+            if piece.text:
+                delta["content"] = piece.text
+            return {"index": piece.index, "delta": delta, "finish_reason": piece.finish,
+                    "logprobs": lp}
+        return {"index": piece.index, "message": {"role": "assistant", "content": piece.text},
+                "finish_reason": piece.finish, "logprobs": lp}
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if self.req.is_client_streaming else "chat.completion") \
+            if self.req.is_chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.engine.model_name, **fields}
+
+
+def _submit(engine: ServingEngine, req: ParsedRequest, metrics: ServeMetrics
+            ) -> list[AsyncGenerator[Piece]]:
+    gens: list[Generation] = []
+    try:
+        for one in req.gens:
+            gens.append(engine.generate(one))
+    except BaseException:
+        for gen in gens:
+            gen.cancel()
+        raise
+    return [run_choice(engine, req, i, g, metrics) for i, g in enumerate(gens)]
+
+
+async def complete(engine: ServingEngine, req: ParsedRequest,
+                   metrics: ServeMetrics) -> dict[str, Any]:
+    """Run a non-streaming request to its end; the OpenAI response object."""
+    reply = _Reply(engine, req)
+    texts = [""] * len(req.gens)
+    lps: list[list[TokenLogprobs]] = [[] for _ in req.gens]
+    ends: list[Piece] = []
+    async for p in merged(_submit(engine, req, metrics)):
+        texts[p.index] += p.text
+        lps[p.index] += p.logprobs
+        if p.fin is not None:
+            ends.append(p)
+    ends.sort(key=lambda p: p.index)
+    choices = [reply.choice(Piece(p.index, texts[p.index], lps[p.index], p.finish),
+                            is_delta=False) for p in ends]
+    fins = [p.fin for p in ends if p.fin is not None]
+    return reply.body(choices=choices, usage=_usage(req, ends), dualpath={
+        "ttft_s": round(min(f.ttft_s for f in fins), 4),
+        "total_s": round(max(f.total_s for f in fins), 4), "mode": engine.cfg.mode})
+
+
+async def stream_events(engine: ServingEngine, req: ParsedRequest,
+                        metrics: ServeMetrics) -> AsyncGenerator[dict[str, Any]]:
+    """The chunk objects of a streaming request (each becomes one `data:` event)."""
+    reply = _Reply(engine, req)
+    choices = _submit(engine, req, metrics)  # errors before the first event: a JSON error
+    # With include_usage every chunk has a `usage` key, null but in the last (OpenAI).
+    usage: dict[str, Any] = {"usage": None} if req.include_usage else {}
+    if req.is_chat:
+        for i in range(len(choices)):
+            yield reply.body(choices=[reply.choice(Piece(i, "", []), True, True)], **usage)
+    ends = []
+    async for p in merged(choices):
+        if p.text or p.logprobs or p.finish:
+            yield reply.body(choices=[reply.choice(p, is_delta=True)], **usage)
+        if p.fin is not None:
+            ends.append(p)
+    if req.include_usage:
+        yield reply.body(choices=[], usage=_usage(req, ends))
+
+
+# -- the app ----------------------------------------------------------------------------------
+def _error(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _serve_error(err: ServeError) -> ApiError:
+    return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), kind="server_error")
+
+
+def _guarded(app: AsgiApp, config: ServerConfig) -> AsgiApp:
+    """The API key, the body size limit and the body timeout, before FastAPI sees a request."""
+    key = config.api_key.encode() if config.api_key else None
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+
+        async def refuse(err: ApiError, extra: dict[str, str] | None = None) -> None:
+            await _error(err, {"Connection": "close", **(extra or {})})(scope, receive, send)
+
+        path = str(scope.get("path", ""))
+        if key is not None and not path.startswith(OPEN_PATHS):
+            auth = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(auth, b"Bearer " + key):
+                return await refuse(ApiError(HTTPStatus.UNAUTHORIZED, "a valid API key is "
+                                             "needed: Authorization: Bearer <key>",
+                                             code="invalid_api_key"),
+                                    {"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            status = HTTPStatus.BAD_REQUEST if not length.isdigit() \
+                else HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+            return await refuse(ApiError(status, f"Content-Length {length.decode()[:40]}: at "
+                                         f"most {MAX_BODY_BYTES} bytes are read"))
+        deadline = time.monotonic() + config.body_timeout_s
+        num_read = 0
+        is_body_done = False
+
+        async def limited() -> Message:
+            nonlocal num_read, is_body_done
+            if is_body_done:  # from here on only disconnects: no deadline
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise HTTPException(HTTPStatus.REQUEST_TIMEOUT, "the request body did not "
+                                    f"arrive within {config.body_timeout_s:g} s") from None
+            if msg["type"] == "http.request":
+                num_read += len(msg.get("body", b""))
+                if num_read > MAX_BODY_BYTES:
+                    raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                        f"request body over {MAX_BODY_BYTES} bytes")
+                is_body_done = not msg.get("more_body", False)
+            return msg
+
+        try:
+            await app(scope, limited, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs after a graceful shutdown's grace period:
+            # ending here keeps its "Exception in ASGI application" traceback off stderr.
+            return None
+        return None
+
+    return guarded
+
+
+def make_app(engine: ServingEngine, config: ServerConfig | None = None) -> AsgiApp:
+    """The ASGI app over `engine`."""
+    config = config or ServerConfig()
+    api = FastAPI(title="dualpath", version=VERSION, docs_url="/docs", redoc_url=None)
+    limits = Limits(engine.model_name, engine.max_sequence_tokens, engine.max_prompt_tokens)
+    metrics = ServeMetrics(engine)
+    api.state.metrics = metrics
+
+    @api.exception_handler(ApiError)
+    async def on_api_error(_r: Request, err: ApiError) -> JSONResponse:
+        return _error(err)
+
+    @api.exception_handler(RequestValidationError)
+    async def on_invalid(_r: Request, err: RequestValidationError) -> JSONResponse:
+        return _error(validation_error(err.errors()))
+
+    @api.exception_handler(HTTPException)
+    async def on_http(r: Request, err: HTTPException) -> JSONResponse:
+        status = err.status_code
+        message = str(err.detail)
+        if status == HTTPStatus.NOT_FOUND and message == "Not Found":
+            message = f"no route {r.method} {r.url.path}"
+        elif status == HTTPStatus.METHOD_NOT_ALLOWED:
+            message = f"{r.method} is not allowed on {r.url.path}"
+        elif status == HTTPStatus.BAD_REQUEST:
+            message = f"invalid JSON body: {message}"
+        headers = dict(err.headers or {})
+        if status >= 400 and status != HTTPStatus.METHOD_NOT_ALLOWED:
+            headers.setdefault("Connection", "close")  # an unread body must not be parsed
+        return _error(ApiError(status, message), headers)
+
+    @api.exception_handler(SpecError)
+    async def on_spec(_r: Request, err: SpecError) -> JSONResponse:  # the cluster refused
+        return _error(bad_request(err.field, str(err)))
+
+    @api.exception_handler(ServeError)
+    async def on_serve(_r: Request, err: ServeError) -> JSONResponse:
+        return _error(_serve_error(err))
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.is_healthy
+        return JSONResponse({"status": "ok" if ok else "unavailable"},
+                            status_code=200 if ok else 503)
+
+    @api.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": VERSION, "model": engine.model_name, "mode": engine.cfg.mode}
+
+    def model_card() -> dict[str, Any]:
+        return {"id": engine.model_name, "object": "model", "created": int(engine.started_at),
+                "owned_by": "dualpath", "max_model_len": engine.max_sequence_tokens}
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, limits)
+        return model_card()
+
+    @api.get("/stats")
+    async def stats() -> dict[str, Any]:
+        cfg, s = engine.cfg, engine.stats
+        waiting, running = engine.num_in_flight()
+        return {
+            "model": engine.model_name, "mode": cfg.mode,
+            "uptime_s": time.time() - engine.started_at,
+            "cluster": {"prefill_nodes": cfg.num_prefill_nodes,
+                        "decode_nodes": cfg.num_decode_nodes,
+                        "engines_per_node": cfg.engines_per_node},
+            "restarts": engine.num_restarts,
+            "unpersisted_blocks": engine.num_unpersisted_blocks, "requests": s.num_requests,
+            "finished": s.num_finished, "waiting": waiting, "running": running,
+            "prompt_tokens": s.num_prompt_tokens, "cached_tokens": s.num_cached_tokens,
+            "generated_tokens": s.num_generated_tokens, "storage": storage_counters(engine)}
+
+    @api.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def generate(req: ParsedRequest) -> Response:
+        if not req.is_client_streaming:
+            return JSONResponse(await complete(engine, req, metrics))
+        events = stream_events(engine, req, metrics)
+        try:
+            first = await anext(events)  # submit errors become a JSON error, not a stream
+        except StopAsyncIteration:
+            first = None
+
+        async def sse() -> AsyncIterator[bytes]:
+            try:
+                if first is not None:
+                    yield b"data: " + json.dumps(first).encode() + b"\n\n"
+                async for ev in events:
+                    yield b"data: " + json.dumps(ev).encode() + b"\n\n"
+            except ServeError as err:
+                yield b"data: " + json.dumps(_serve_error(err).body()).encode() + b"\n\n"
+            finally:
+                await events.aclose()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        return await generate(to_runtime(body, engine.tokenizer, limits))
+
+    @api.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        return await generate(to_runtime(body, engine.tokenizer, limits))
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model, limits)
+        tok = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("prompt", "give either prompt or messages")
+        if body.messages is not None:
+            try:
+                ids = tok.apply_chat_template([ChatMessage(m.role, m.text())
+                                               for m in body.messages],
+                                              body.add_generation_prompt)
+            except TokenizerError as exc:
+                raise bad_request("messages", str(exc)) from None
+        else:
+            assert body.prompt is not None
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_sequence_tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model, limits)
+        bad = next((t for t in body.tokens if t >= engine.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request("tokens", f"token id {bad} is outside the vocabulary "
+                              f"[0, {engine.tokenizer.vocab_size})")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return _guarded(api, config)
+
+
+# -- the server -------------------------------------------------------------------------------
+class _TimedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for a request's head: a client that
+    connects (or finishes a response) and then sends its headers slowly, or nothing, is cut
+    at `head_timeout_s` (uvicorn alone waits for it forever)."""
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
+
+    def _on_head_timeout(self) -> None:
+        self._head_timer = None
+        if (self.cycle is None or self.cycle.response_complete) \
+                and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before and self._head_timer is not None:
+            self._head_timer.cancel()  # a whole head arrived
+            self._head_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad Content-Length, a broken head): OpenAI's error
+        shape too, not uvicorn's plain text."""
+        body = json.dumps(bad_request(None, f"invalid HTTP request: {msg}").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                             reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        # The caller owns the signals: `dualpath serve` stops the engine before the nodes'
+        # deaths (same Ctrl-C) can look like faults.
+        yield
+
+
+class ApiServer:
+    """The API on a bound socket; `serve_forever` runs uvicorn until `shutdown`."""
+
+    def __init__(self, engine: ServingEngine, host: str, port: int,
+                 config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+            self.socket.listen(config.backlog)
+        except OSError:
+            self.socket.close()
+            raise
+        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
+        self.app = make_app(engine, config)
+        protocol = type("TimedH11", (_TimedH11,), {"head_timeout_s": config.head_timeout_s})
+        self._uvicorn = _Server(uvicorn.Config(
+            self.app, http=protocol, backlog=config.backlog, lifespan="off",
+            timeout_keep_alive=max(1, round(config.keep_alive_s)),
+            log_level="info" if config.is_logging else "warning",
+            access_log=config.is_logging, timeout_graceful_shutdown=5,
+        ))
+        self._stopped = threading.Event()
+
+    def serve_forever(self) -> None:
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def stop(self) -> None:
+        """Ask `serve_forever` to return (safe in a signal handler)."""
+        self._uvicorn.should_exit = True
+
+    def shutdown(self) -> None:
+        """Stop and wait for `serve_forever` to return."""
+        self.stop()
+        self._stopped.wait(30)
+
+    def server_close(self) -> None:
+        self.socket.close()
 
 
 def make_server(engine: ServingEngine, host: str = "127.0.0.1", port: int = 8000,
-                is_logging: bool = True) -> ApiServer:
+                is_logging: bool = True, api_key: str | None = None,
+                config: ServerConfig | None = None) -> ApiServer:
     """A bound server (port 0: any free port, see `server_address`); call `serve_forever`."""
-    return ApiServer((host, port), engine, is_logging)
+    base = config or ServerConfig()
+    cfg = ServerConfig(api_key=api_key if api_key is not None else base.api_key,
+                       backlog=base.backlog, keep_alive_s=base.keep_alive_s,
+                       head_timeout_s=base.head_timeout_s, body_timeout_s=base.body_timeout_s,
+                       is_logging=is_logging)
+    logging.getLogger("uvicorn.error").propagate = False
+    return ApiServer(engine, host, port, cfg)

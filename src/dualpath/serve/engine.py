@@ -11,17 +11,23 @@ scheduler picks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 from dualpath.core.errors import DualPathError
 from dualpath.runtime.cluster import Cluster, RunConfig, RunError
 from dualpath.runtime.messages import TurnDone, TurnTokens
+from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.tokenizer import Tokenizer
+
+STATS_INTERVAL_S = 1.0
+"""How often the served cluster's nodes report their counters."""
 
 
 class ServeError(DualPathError):
@@ -31,22 +37,19 @@ class ServeError(DualPathError):
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: prompt token ids and sampling (`seed` None: derived per request)."""
+    """One generation: prompt token ids and sampling (`sampling.seed` None: derived per
+    request); streaming requests report their tokens per decode step."""
 
     prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams
     is_streaming: bool = False
-    is_ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
 class Finished:
-    """A finished generation. `output_ids` excludes a final EOS token (`finish_reason`
-    "stop"); "length" means it reached `max_tokens`, "cancelled" that `cancel` ended it
-    first."""
+    """A finished generation. `output_ids` excludes a final EOS or stop token
+    (`finish_reason` "stop"); "length" means it reached `max_tokens`, "cancelled" that
+    `cancel` ended it first. `logprobs` (when asked for) match `output_ids` one to one."""
 
     output_ids: tuple[int, ...]
     finish_reason: str
@@ -55,55 +58,98 @@ class Finished:
     """Prompt tokens whose KV was read from storage instead of computed."""
     ttft_s: float
     total_s: float
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass
 class Generation:
-    """One request in flight: `chunks()` yields new token ids as the cluster reports them
-    (streaming requests get them per decode step, others all at the end), `result()` waits
-    for the end."""
+    """One request in flight: `chunks()` (or `achunks()` in an event loop) yields new token
+    ids as the cluster reports them (streaming requests get them per decode step, others all
+    at the end), `result()` waits for the end; `logprobs` grows with the ids yielded."""
 
     request_id: int
     prompt_tokens: int
     cached_tokens: int
     eos_token_ids: tuple[int, ...]
-    is_ignore_eos: bool
+    sampling: SamplingParams
     timeout_s: float
-    max_tokens: int
     _cancel: Callable[[int], None]
     submitted_at: float = field(default_factory=time.time)
     is_cancelled: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_at: float | None = None
+    """When the dispatcher got its first token (streaming requests; else at the end)."""
     _events: queue.Queue[TurnTokens | TurnDone | BaseException] = field(
         default_factory=queue.Queue
     )
+    _wake: Callable[[], None] | None = None
     _num_yielded: int = 0
     _result: Finished | None = None
 
     def _put(self, event: TurnTokens | TurnDone | BaseException) -> None:
+        if self.first_token_at is None and not isinstance(event, BaseException):
+            self.first_token_at = time.time()
         self._events.put(event)
+        wake = self._wake
+        if wake is not None:
+            wake()
 
     def chunks(self) -> Iterator[tuple[int, ...]]:
-        """New output token ids, chunk by chunk, until the request finishes (a final EOS is
-        not yielded); ServeError if the cluster fails or `timeout_s` passes."""
+        """New output token ids, chunk by chunk, until the request finishes (a final EOS or
+        stop token is not yielded); ServeError if the cluster fails or `timeout_s` passes."""
         deadline = self.submitted_at + self.timeout_s
         while self._result is None:
             try:
                 event = self._events.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
-                self.cancel()  # nobody waits for it any more
-                raise ServeError(f"request {self.request_id}: no result within "
-                                 f"{self.timeout_s:g} s") from None
-            if isinstance(event, BaseException):
-                raise ServeError(f"request {self.request_id}: {event}") from event
-            if isinstance(event, TurnTokens):
-                ids = event.token_ids
-            else:
-                self._result = self._finish(event)
-                ids = self._result.output_ids[self._num_yielded:]
-            ids = self._strip_eos(ids)
+                raise self._timed_out() from None
+            ids = self._take(event)
             if ids:
-                self._num_yielded += len(ids)
                 yield ids
+
+    async def achunks(self) -> AsyncIterator[tuple[int, ...]]:
+        """`chunks` for an asyncio event loop: waits without holding a thread."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(ready.set)
+
+        self._wake = wake
+        deadline = self.submitted_at + self.timeout_s
+        while self._result is None:
+            ready.clear()  # before the check: an event put after it sets it again
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                try:
+                    await asyncio.wait_for(ready.wait(), max(0.0, deadline - time.time()))
+                except TimeoutError:
+                    raise self._timed_out() from None
+                continue
+            ids = self._take(event)
+            if ids:
+                yield ids
+
+    def _timed_out(self) -> ServeError:
+        self.cancel()  # nobody waits for it any more
+        return ServeError(f"request {self.request_id}: no result within {self.timeout_s:g} s")
+
+    def _take(self, event: TurnTokens | TurnDone | BaseException) -> tuple[int, ...]:
+        """The ids `event` adds to what was yielded (its logprobs appended)."""
+        if isinstance(event, BaseException):
+            raise ServeError(f"request {self.request_id}: {event}") from event
+        if isinstance(event, TurnTokens):
+            ids, lps = event.token_ids, event.logprobs
+        else:
+            self._result = self._finish(event)
+            ids = self._result.output_ids[self._num_yielded:]
+            lps = self._result.logprobs[self._num_yielded:]
+        ids = self._strip_eos(ids)
+        self.logprobs.extend(lps[:len(ids)])
+        self._num_yielded += len(ids)
+        return ids
 
     def cancel(self) -> None:
         """Ask the cluster to end this request at its next decode step (its result then
@@ -120,15 +166,16 @@ class Generation:
         return self._result
 
     def _strip_eos(self, ids: tuple[int, ...]) -> tuple[int, ...]:
-        if ids and not self.is_ignore_eos and ids[-1] in self.eos_token_ids:
+        # Only an output's last token can stop it.
+        if ids and self.sampling.stops_at(ids[-1], self.eos_token_ids):
             return ids[:-1]
         return ids
 
     def _finish(self, done: TurnDone) -> Finished:
-        out = done.output_ids
-        is_eos = bool(out) and not self.is_ignore_eos and out[-1] in self.eos_token_ids
+        out, lps = done.output_ids, done.logprobs
+        is_eos = bool(out) and self.sampling.stops_at(out[-1], self.eos_token_ids)
         reason = "stop" if is_eos else "length"
-        if self.is_cancelled and not is_eos and len(out) < self.max_tokens:
+        if self.is_cancelled and not is_eos and len(out) < self.sampling.max_tokens:
             reason = "cancelled"
         return Finished(
             output_ids=out[:-1] if is_eos else out,
@@ -137,6 +184,7 @@ class Generation:
             cached_tokens=self.cached_tokens,
             ttft_s=max(0.0, done.first_token_at - self.submitted_at),
             total_s=max(0.0, done.done_at - self.submitted_at),
+            logprobs=lps[:-1] if is_eos and len(lps) == len(out) else lps,
         )
 
 
@@ -202,6 +250,8 @@ class ServingEngine:
         self._num_unpersisted_warned = 0
         self._next_unpersisted_warning_at = 0.0
         self._log = log or (lambda _m: None)
+        if cfg.stats_interval_s is None:  # live node counters, for /metrics
+            cfg = self.cfg = replace(cfg, stats_interval_s=STATS_INTERVAL_S)
         self.cluster = Cluster(cfg)
         if tokenizer.vocab_size > self.cluster.vocab_size:
             self.cluster.close()
@@ -227,6 +277,14 @@ class ServingEngine:
     def max_prompt_tokens(self) -> int:
         return self.cluster.max_prompt_tokens
 
+    def num_in_flight(self) -> tuple[int, int]:
+        """(waiting, running): requests with no token out yet (queued or in prefill), and
+        those decoding."""
+        with self._lock:
+            gens = list(self._pending.values())
+        running = sum(1 for g in gens if g.first_token_at is not None)
+        return len(gens) - running, running
+
     @property
     def num_unpersisted_blocks(self) -> int:
         """KV blocks the cluster (and any it replaced) could not persist (a full disk, a
@@ -248,13 +306,9 @@ class ServingEngine:
             if self._failure is not None:
                 again = " (restarting)" if self._is_restarting else ""
                 raise ServeError(f"the cluster failed: {self._failure}{again}")
-            rid, hit = self.cluster.submit(
-                req.prompt_ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, is_ignore_eos=req.is_ignore_eos, is_streaming=req.is_streaming,
-            )
+            rid, hit = self.cluster.submit(req.prompt_ids, req.sampling, req.is_streaming)
             gen = Generation(rid, len(req.prompt_ids), hit, self.tokenizer.eos_token_ids,
-                             req.is_ignore_eos, self.request_timeout_s, req.max_tokens,
-                             self.cluster.cancel)
+                             req.sampling, self.request_timeout_s, self.cluster.cancel)
             self._pending[rid] = gen
             self.stats.num_requests += 1
             self.stats.num_prompt_tokens += len(req.prompt_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from dualpath.cli.commands.run import MODE_CHOICES, _config, _model_source, add_
 from dualpath.core.errors import SpecError
 
 DEFAULT_BUFFER_MIB = 1024
+API_KEY_ENV = "DUALPATH_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Start an emulated PD-disaggregated cluster on this machine (as `dualpath run` "
             "does: nodes are processes, NIC bandwidths are emulated, KV blocks move as real "
             "bytes through storage, DRAM buffers and engines) and serve it over HTTP: "
-            "POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
-            "/health and /stats. Every request's prompt KV is persisted block by block, so a "
+            "POST /v1/chat/completions and /v1/completions (streaming too), /tokenize and "
+            "/detokenize, GET /v1/models, /health, /version, /stats and /metrics "
+            "(Prometheus). Every request's prompt KV is persisted block by block, so a "
             "follow-up turn that extends an earlier conversation reads those blocks from "
             "storage (usage.prompt_tokens_details.cached_tokens) on the path the scheduler "
             "picks. Chat prompts use the model's own chat template (the GGUF's or "
@@ -56,6 +59,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--restart-window-s", type=float, default=3600.0, metavar="S",
                    help="the window --max-restarts counts restarts in; older ones no longer "
                    "count (default: %(default)s)")
+    s.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help="callers must send 'Authorization: Bearer KEY' (also read from "
+                   f"${API_KEY_ENV}; default: no key). /health, /version and /metrics stay "
+                   "open")
     s.add_argument("--quiet", action="store_true", help="no per-request log lines")
     add_cluster_arguments(p, model="smollm2", prefill_nodes=1, decode_nodes=1,
                           buffer_help=f"DRAM buffer per node, MiB (default: "
@@ -90,20 +97,20 @@ def serve(args: argparse.Namespace) -> int:
 
         with ServingEngine(cfg, tokenizer, name, args.request_timeout, args.max_restarts,
                            log, args.restart_window_s) as engine:
-            server = make_server(engine, args.host, args.port, is_logging=not args.quiet)
+            server = make_server(engine, args.host, args.port, is_logging=not args.quiet,
+                                 api_key=args.api_key or None)
             host, port = str(server.server_address[0]), int(server.server_address[1])
             print(f"dualpath serve: http://{host}:{port}/v1 (max {engine.max_sequence_tokens} "
                   f"tokens per sequence; store {store}); Ctrl-C stops", file=sys.stderr,
                   flush=True)
             def interrupt(signum: int, frame: object) -> None:
                 engine.begin_stop()  # before the nodes' deaths (same signal) look like faults
-                raise KeyboardInterrupt
+                server.stop()
 
             previous = {sig: signal.signal(sig, interrupt)
                         for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 server.serve_forever()
-            except KeyboardInterrupt:
                 print("dualpath serve: stopping", file=sys.stderr)
             finally:
                 for sig, handler in previous.items():
