@@ -17,6 +17,7 @@ from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.runtime.messages import EngineLoad, Fetch
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
 from dualpath.sched import EngineReport, PathMode, Role, SchedulerParams, WaitingRequest
 from dualpath.sched.cost import coefficients_for
@@ -142,7 +143,8 @@ class RuntimeSide:
     def submit(self, r: WaitingRequest) -> None:
         self.waiting[r.request_id] = r
         tokens = tuple(range(r.prompt_tokens))
-        self.sched.submit(Submitted(r, tokens, tuple(block_keys(tokens, BS)), 0.0, 0))
+        self.sched.submit(Submitted(r, tokens, tuple(block_keys(tokens, BS)),
+                                    SamplingParams(max_tokens=r.gen_tokens, seed=0)))
 
     def de_fetch(self, node: int) -> None:
         w = self.world
