@@ -37,6 +37,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "dualpath.sched.path",
     "dualpath.sched.batching",
     "dualpath.sched.snapshot",
+    "dualpath.sched.scheduler",
 )
 """Modules compiled together (one mypyc group). Their frozen dataclasses that cross process
 boundaries pickle by constructor (`dualpath.core.pickling`). `sched.params` stays

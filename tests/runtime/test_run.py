@@ -1,6 +1,7 @@
-"""End to end on an I/O-bound emulated 1P2D cluster: Basic reads through the prefill node's
-storage NIC only, DualPath through every node's, Oracle is not slower than DualPath, all three
-generate the same tokens; and the `dualpath run` command with real node processes."""
+"""End to end on an I/O-bound emulated 1P2D cluster: Basic and +layerwise read through the
+prefill node's storage NIC only, +dual-path and DualPath through every node's, Oracle is not
+slower than DualPath, every mode generates the same tokens; and the `dualpath run` command with
+real node processes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli.main import main
+from dualpath.core.errors import SpecError
 from dualpath.runtime.cluster import (
     Cluster,
     RunConfig,
@@ -58,20 +60,32 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     tmp = tmp_path_factory.mktemp("run")
-    return {m: run_mode(tmp, m) for m in ("basic", "dualpath", "oracle")}
+    return {m: run_mode(tmp, m) for m in ("basic", "layerwise", "dual-path", "dualpath", "oracle")}
 
 
 def test_all_modes_generate_the_same_tokens(results: dict[str, RunResult]) -> None:
     outs = {m: r.outputs for m, r in results.items()}
-    assert outs["basic"] == outs["dualpath"] == outs["oracle"]
+    assert all(out == outs["basic"] for out in outs.values())
     assert all(r.num_hit_tokens == results["basic"].num_hit_tokens > 0 for r in results.values())
 
 
-def test_basic_reads_only_through_the_prefill_node(results: dict[str, RunResult]) -> None:
-    r = results["basic"]
+@pytest.mark.parametrize("mode", ["basic", "layerwise"])
+def test_pe_path_modes_read_only_through_the_prefill_node(
+    results: dict[str, RunResult], mode: str
+) -> None:
+    r = results[mode]
     util = r.snic_read_utilization()
     assert util[0] > 0 and util[1] == util[2] == 0
     assert r.bytes_by_path()["pe_read"] == r.num_hit_tokens * 1024
+
+
+def test_the_dual_path_step_reads_through_every_node_under_round_robin(
+    results: dict[str, RunResult],
+) -> None:
+    r = results["dual-path"]
+    assert all(u > 0 for u in r.snic_read_utilization().values())
+    b = r.bytes_by_path()
+    assert b["de_read"] > 0 and b["pe_read"] + b["de_read"] == r.num_hit_tokens * 1024
 
 
 def test_dualpath_reads_through_every_node_and_relieves_the_bottleneck(
@@ -124,6 +138,17 @@ def test_run_command_with_node_processes(
     out = json.loads(capsys.readouterr().out)
     assert out["dualpath"]["num_turns"] >= 2 and out["dualpath"]["generated_tokens"] > 0
     assert set(out["dualpath"]["snic_read_utilization"]) == {"0", "1"}
+
+
+def test_run_command_takes_a_list_of_modes_and_refuses_an_unknown_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--mode", "basic,layrwise"])
+    assert exc.value.code == 2
+    assert "unknown mode layrwise" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="must be one of basic, layerwise, dual-path"):
+        RunConfig(mode="layrwise", store_root=".")
 
 
 def test_run_command_rejects_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:

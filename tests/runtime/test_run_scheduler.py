@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.blocks import block_keys
+from dualpath.core.errors import SpecError
 from dualpath.runtime.cluster import Cluster, RunConfig, RunError, agents_from_lengths
 from dualpath.runtime.messages import (
     EngineLoad,
@@ -116,6 +117,14 @@ def test_forced_de_side_reads_every_hit_on_the_de_node() -> None:
     s.on_fetch(Fetch(1, loads(1, 1 << 30)))
     (task,) = s.on_fetch(Fetch(0, loads(0, 1 << 30, read_q=0))).prefill
     assert task.num_pe_blocks == 0 and task.num_hit_blocks == 4
+
+
+def test_the_runtime_runs_de_first_with_the_prompt_charge_only() -> None:
+    base = make().cfg.params
+    for field, value in (("assignment_order", "pe-first"), ("de_tok_charge", "miss"),
+                         ("pe_tok_charge", "prompt+gen")):
+        with pytest.raises(SpecError, match=field):
+            SchedulerConfig(base.with_overrides(**{field: value}), 1, 1, 2)
 
 
 def test_submitting_twice_is_refused() -> None:

@@ -15,6 +15,7 @@ from dualpath.core.model import model_preset
 from dualpath.core.storage import storage_read_model
 from dualpath.core.units import GB
 from dualpath.sched import cost
+from dualpath.sched.params import derive_scheduler_params
 from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, simulate
 from dualpath.sim.simulator import Simulator
 
@@ -67,6 +68,25 @@ def test_storage_bytes_equal_hit_tokens_times_kv_bytes_and_capacities_hold() -> 
     assert (read == r.col("hit_tokens")).all()
     for kind, usage in r.resources.items():
         assert usage.peak_utilization <= 1.0 + 1e-9, kind
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "split"])
+def test_pe_first_order_binds_the_pe_first_and_reads_every_hit_once(mode: str) -> None:
+    cl = _cluster(1, 2)
+    # One sequence per decode engine (16 for 24 agents): requests wait for a DE, so the
+    # order shows in the times.
+    params = derive_scheduler_params(cl.model, cl.hardware, max_seqs_per_decode_engine=1)
+    pe_first = _run(cl, IO_BOUND, mode, scheduler=params.with_overrides(
+        assignment_order="pe-first"))
+    de_first = _run(cl, IO_BOUND, mode, scheduler=params)
+    for r in (pe_first, de_first):
+        assert r.num_completed == IO_BOUND.num_turns
+        read = r.col("pe_read_tokens") + r.col("de_read_tokens")
+        assert (read == r.col("hit_tokens")).all()
+        assert bool(r.col("de_read_tokens").sum() > 0) == (mode != "basic")
+    pe_s, de_s = pe_first.col("pe_assigned_s"), pe_first.col("de_assigned_s")
+    assert (pe_s <= de_s).all() and (pe_s < de_s).any()
+    assert (de_first.col("de_assigned_s") <= de_first.col("pe_assigned_s")).all()
 
 
 def test_zero_hits_means_zero_reads() -> None:

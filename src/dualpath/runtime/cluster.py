@@ -7,10 +7,13 @@ agents: each agent's next turn is submitted when its previous turn is done, with
 grown by the turn's real output and the next append (so the previous turn's persisted blocks
 are the next turn's cache hits). Nodes `[0, P)` are prefill nodes, `[P, P+D)` decode nodes.
 
-Modes (`ARCHITECTURE.md`): `basic` = PE read path only, no layerwise prefill, round-robin
-scheduling; `dualpath` = layerwise, the shorter-read-queue path choice, the paper's scheduler;
-`oracle` = dualpath with storage I/O and P-D transfers not paced (bytes still move, so outputs
-are the same).
+Modes: the simulator's `dualpath.sched.mode.Mode` presets, by name, so every ablation step runs
+here too: `basic` = PE read path only, no layerwise prefill, round-robin scheduling;
+`layerwise` = basic with layerwise prefill; `dual-path` = layerwise with the shorter-read-queue
+path choice; `dualpath` = that with the paper's scheduler; `split` = dualpath splitting each
+read across both sides; `oracle` = dualpath with storage I/O and P-D transfers not paced (bytes
+still move, so outputs are the same). (The runtime's PEs pack every forward pass under the
+compute quota in every mode; the scheduler switch changes only inter-engine scheduling.)
 
 What is emulated and what is not: storage NICs (read and write per node) and compute NICs (tx and
 rx per engine, including the CNIC-assisted H2D/D2H copies and the receiving engine's side of
@@ -60,12 +63,13 @@ from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
+from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import ReadSide, WaitingRequest
 from dualpath.workload.tokens import RandomTokens
 from dualpath.workload.trajectory import Trajectory
 
-MODES = ("basic", "dualpath", "oracle")
+MODES = tuple(MODE_PRESETS)
 LAUNCHES = ("process", "thread")
 # The emulated cluster runs on one machine: nodes are processes, engines threads. Past these
 # a run would only thrash (or take minutes to start and leak its semaphores if killed).
@@ -83,6 +87,7 @@ class RunConfig:
     """One run of the emulated cluster. Frozen, validated; units in the names."""
 
     mode: str
+    """A `MODE_PRESETS` name (`switches` is its `Mode`)."""
     store_root: str
     model: ModelSource = field(default_factory=lambda: ModelSource("tiny"))
     num_prefill_nodes: int = 1
@@ -157,12 +162,17 @@ class RunConfig:
             )
 
     @property
+    def switches(self) -> Mode:
+        """The mode's switches (the same `Mode` the simulator runs)."""
+        return mode_preset(self.mode)
+
+    @property
     def is_layerwise(self) -> bool:
-        return self.mode != "basic"
+        return self.switches.is_layerwise
 
     @property
     def is_oracle(self) -> bool:
-        return self.mode == "oracle"
+        return self.switches.is_oracle
 
     @property
     def num_nodes(self) -> int:
@@ -339,7 +349,7 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
         alpha = cfg.storage_nic_bytes_per_s * 3.0 / layout.kv_bytes_per_token
         if cfg.is_oracle or alpha == float("inf"):
             alpha = 1e12
-    mode = cfg.path_mode or ("pe" if cfg.mode == "basic" else "dual")
+    mode = cfg.path_mode or cfg.switches.paths
     return SchedulerParams(
         alpha_tokens=alpha,
         beta_tokens=cfg.beta_tokens,
@@ -409,7 +419,7 @@ class Cluster:
             num_prefill_nodes=cfg.num_prefill_nodes,
             num_decode_nodes=cfg.num_decode_nodes,
             engines_per_node=cfg.engines_per_node,
-            is_round_robin=cfg.mode == "basic",
+            is_round_robin=cfg.switches.is_round_robin,
             forced_read_side="de" if cfg.path_mode == "de" else None,
         )
         sched_args = (sched_cfg, self._sched_q, self._inboxes, self._driver_q)

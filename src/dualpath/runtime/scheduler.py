@@ -1,12 +1,14 @@
-"""The scheduler process's state: waiting queues and bindings around the pure `dualpath.sched`
-policies, driven by the group leaders' fetches (pull, paper §6.1).
+"""The scheduler process: the runtime's adapter around `dualpath.sched.scheduler.Scheduler`
+(which owns the queues, their charges and the round-robin cursors, as it does for the
+simulator), driven by the group leaders' fetches (pull, paper §6.1).
 
-Order (the sched default, DE first): a submitted turn enters the global DE queue; a decode
-group's fetch drains it to the groups' private queues (phase 1) and binds DEs from its own
-private queue (phase 2, HBM admission and the `Z` threshold); bound requests join the FIFO PE
-queue; a prefill group's fetch runs Algorithm 1, which also chooses each request's read path
-(`ReadPlan`) now that both sides are known. The PE gets its `PrefillTask` in that fetch's reply,
-the DE its `DecodeTask` in the reply to its own next fetch.
+Order (DE first, the only one the runtime runs: a PE's `PrefillTask` names its DE): a submitted
+turn enters the global DE queue; a decode group's fetch drains it to the groups' private queues
+(phase 1) and binds DEs from its own private queue (phase 2, HBM admission and the `Z`
+threshold); bound requests join the FIFO PE queue; a prefill group's fetch runs Algorithm 1,
+which also chooses each request's read path (`ReadPlan`) now that both sides are known. The PE
+gets its `PrefillTask` in that fetch's reply, the DE its `DecodeTask` in the reply to its own
+next fetch. Each node is one engine group; DE group `k` of the scheduler is decode node `P + k`.
 
 Between a DE binding and the DE node learning of it, the node's own report does not include the
 request yet, so the scheduler adds what it has bound but not delivered (HBM, `seq`, `tok`) to
@@ -46,16 +48,9 @@ from dualpath.runtime.messages import (
     TurnTokens,
     is_parent_gone,
 )
-from dualpath.sched import (
-    de_global_drain,
-    de_global_drain_round_robin,
-    de_group_fetch,
-    de_group_fetch_round_robin,
-    pe_fetch,
-    pe_fetch_round_robin,
-)
-from dualpath.sched.params import SchedulerParams
-from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
+from dualpath.sched.params import AssignmentOrder, SchedulerParams, TokCharge
+from dualpath.sched.scheduler import Scheduler
+from dualpath.sched.types import EngineReport, ReadPlan, Role
 
 
 @dataclass(frozen=True)
@@ -76,6 +71,15 @@ class SchedulerConfig:
         positive_int("scheduler", "num_prefill_nodes", self.num_prefill_nodes)
         positive_int("scheduler", "num_decode_nodes", self.num_decode_nodes)
         positive_int("scheduler", "engines_per_node", self.engines_per_node)
+        if self.params.assignment_order is not AssignmentOrder.DE_FIRST:
+            raise SpecError("scheduler", "assignment_order", self.params.assignment_order.value,
+                            "the runtime binds DEs first (a PE's task names its DE)")
+        for name in ("pe_tok_charge", "de_tok_charge"):
+            # The engines report `tok` as their requests' prompt tokens (engine_pe/_de): a
+            # scheduler charging anything else would mix two units in one load.
+            if getattr(self.params, name) is not TokCharge.PROMPT:
+                raise SpecError("scheduler", name, getattr(self.params, name).value,
+                                "the runtime's engines count prompt tokens: must be prompt")
 
     def is_prefill_node(self, node: int) -> bool:
         return node < self.num_prefill_nodes
@@ -96,33 +100,24 @@ class _Binding:
 
 
 class RuntimeScheduler:
-    """Queues, bindings and round-robin cursors; `submit` turns, answer `Fetch`es."""
+    """The `Scheduler` and what only the runtime has: submitted turns' tokens, DE bindings not
+    yet delivered, the DE nodes' outboxes; `submit` turns, answer `Fetch`es."""
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
+        self.sched = Scheduler(cfg.params, cfg.num_decode_nodes, is_round_robin=cfg.is_round_robin)
         self._submitted: dict[int, Submitted] = {}
-        self._global_q: list[WaitingRequest] = []
-        self._private_q: dict[int, list[WaitingRequest]] = {n: [] for n in cfg.decode_nodes}
-        self._pe_q: list[WaitingRequest] = []
         self._bound: dict[int, _Binding] = {}
         self._undelivered: dict[int, list[int]] = defaultdict(list)
         """DE engine -> requests bound to it that its node has not received yet."""
         self._outbox: dict[int, list[DecodeTask]] = defaultdict(list)
         self._loads: dict[int, tuple[EngineLoad, ...]] = {}
-        self._pe_cursor = 0
-        self._de_group_cursor = 0
-        self._de_cursor: dict[int, int] = defaultdict(int)
         self.num_fetches = 0
 
     @property
     def num_waiting(self) -> int:
         """Submitted requests not yet handed to both their engines."""
-        return (
-            len(self._global_q)
-            + sum(len(q) for q in self._private_q.values())
-            + len(self._pe_q)
-            + sum(len(v) for v in self._outbox.values())
-        )
+        return self.sched.num_waiting + sum(len(v) for v in self._outbox.values())
 
     def submit(self, turn: Submitted) -> None:
         r = turn.request
@@ -132,7 +127,7 @@ class RuntimeScheduler:
         if r.hit_tokens % bs or len(turn.block_keys) * bs > r.prompt_tokens:
             raise SpecError("scheduler", "hit_tokens", r.hit_tokens, "not block aligned")
         self._submitted[r.request_id] = turn
-        self._global_q.append(r)
+        self.sched.submit(r)
 
     def finished(self, request_id: int) -> None:
         """Forget a completed request."""
@@ -145,15 +140,12 @@ class RuntimeScheduler:
         `("unknown", -1)` for a request already done or never submitted."""
         if request_id not in self._submitted:
             return "unknown", -1
-        for q in (self._global_q, *self._private_q.values(), self._pe_q):
-            for i, r in enumerate(q):
-                if r.request_id == request_id:
-                    del q[i]
-                    bound = self._bound.get(request_id)
-                    if bound is not None:
-                        self._undelivered[bound.de_engine].remove(request_id)
-                    self.finished(request_id)
-                    return "dropped", -1
+        if self.sched.cancel(request_id).was_waiting:
+            bound = self._bound.get(request_id)
+            if bound is not None:
+                self._undelivered[bound.de_engine].remove(request_id)
+            self.finished(request_id)
+            return "dropped", -1
         return "forward", self._bound[request_id].de_node
 
     # -- fetches ---------------------------------------------------------------------------
@@ -184,7 +176,7 @@ class RuntimeScheduler:
         for load in self._loads[node]:
             pending = [self._bound[r] for r in self._undelivered.get(load.engine_id, [])]
             extra_tok = sum(
-                self._submitted[r].request.prompt_tokens
+                self.sched.de_charge(self._submitted[r].request)
                 for r in self._undelivered.get(load.engine_id, [])
             )
             reports.append(
@@ -201,62 +193,28 @@ class RuntimeScheduler:
         return reports
 
     def _de_fetch(self, fetch: Fetch) -> None:
-        params, node = self.cfg.params, fetch.node
-        groups = list(self.cfg.decode_nodes)
-        if self._global_q:
-            if self.cfg.is_round_robin:
-                moved, self._de_group_cursor = de_global_drain_round_robin(
-                    self._global_q, groups, self._de_group_cursor
-                )
-            else:
-                load = {
-                    g: sum(r.num_tokens for r in self._reports(g, Role.DECODE))
-                    + sum(r.prompt_tokens for r in self._private_q[g])
-                    if g in self._loads
-                    else sum(r.prompt_tokens for r in self._private_q[g])
-                    for g in groups
-                }
-                moved = de_global_drain(self._global_q, load, params)
-            by_id = {r.request_id: r for r in self._global_q}
-            for g in moved:
-                self._private_q[g.group_id].append(by_id[g.request_id])
-            self._global_q.clear()
-        private = self._private_q[node]
-        if not private:
+        cfg, sched, node = self.cfg, self.sched, fetch.node
+        if sched.num_global:
+            # Phase 1 balances the groups' `tok` as last reported (plus what the scheduler
+            # has bound to them since); a group that never reported counts 0.
+            sched.drain([
+                sum(r.num_tokens for r in self._reports(g, Role.DECODE)) if g in self._loads
+                else 0
+                for g in cfg.decode_nodes
+            ])
+        group = node - cfg.num_prefill_nodes
+        if not sched.num_private(group):
             return
-        reports = self._reports(node, Role.DECODE)
-        if self.cfg.is_round_robin:
-            result, self._de_cursor[node] = de_group_fetch_round_robin(
-                private, reports, params, self._de_cursor[node]
-            )
-        else:
-            result = de_group_fetch(private, reports, params)
+        result = sched.de_fetch(group, self._reports(node, Role.DECODE))
         for d in result.assignments:
             self._bound[d.request_id] = _Binding(d.engine_id, d.node_id, d.hbm_bytes)
             self._undelivered[d.engine_id].append(d.request_id)
-        self._pe_q.extend(private[: result.num_assigned])
-        del private[: result.num_assigned]
 
     def _pe_fetch(self, fetch: Fetch) -> tuple[PrefillTask, ...]:
-        if not self._pe_q:
+        if not self.sched.num_pe_waiting:
             return ()
-        params = self.cfg.params
         reports = self._reports(fetch.node, Role.PREFILL)
-        de_node_of = {r.request_id: self._bound[r.request_id].de_node for r in self._pe_q}
-        read_q = self._read_q_by_node()
-        if self.cfg.is_round_robin:
-            result, self._pe_cursor = pe_fetch_round_robin(
-                self._pe_q,
-                reports,
-                params,
-                self._pe_cursor,
-                de_node_of=de_node_of,
-                read_q_tokens_by_node=read_q,
-            )
-        else:
-            result = pe_fetch(
-                self._pe_q, reports, params, de_node_of=de_node_of, read_q_tokens_by_node=read_q
-            )
+        result = self.sched.pe_fetch(fetch.node, reports, self._read_q_by_node())
         tasks = []
         for a in result.assignments:
             turn = self._submitted[a.request_id]
@@ -270,7 +228,6 @@ class RuntimeScheduler:
                 )
             tasks.append(self._prefill_task(turn, a.engine_id, bound, plan))
             self._outbox[bound.de_node].append(self._decode_task(turn, fetch.node, bound, plan))
-        del self._pe_q[: result.num_assigned]
         return tuple(tasks)
 
     def _prefill_task(

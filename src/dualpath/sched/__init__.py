@@ -1,8 +1,9 @@
 """dualpath.sched: the paper's scheduler (§6, A.4) as pure policy, plus the GPU cost model.
 
 Snapshot in, decision out: no clocks, threads, sockets, simulator or runtime in here, so the
-simulator and the runtime call the same code. No function changes its inputs; state that
-persists between calls (queues, round-robin cursors, read queues) belongs to the caller.
+simulator and the runtime call the same code. No function changes its inputs; the state
+that persists between fetches (queues, their charges, round-robin cursors) lives once, in
+`scheduler.Scheduler`, which every world drives through a thin adapter.
 
 API (see each module's docstring for the rules and invariants):
 
@@ -10,6 +11,11 @@ API (see each module's docstring for the rules and invariants):
   free_hbm_bytes)`, `EngineGroup`, `groups_of_nodes(role, node_ids, engines_per_node,
   nodes_per_group)`, `WaitingRequest(request_id, prompt_tokens, hit_tokens, gen_tokens)`;
   decisions `PEFetch`/`PEAssignment`, `GroupAssignment`, `DEFetch`/`DEAssignment`, `ReadPlan`.
+- scheduler: `Scheduler(params, num_de_groups, is_round_robin)`, the one stateful scheduler
+  both worlds drive (global, private and PE queues, charges, cursors): `submit`, `drain`,
+  `de_fetch`, `pe_fetch`, `cancel`, each returning a decision (`Stage`, `GroupAssignment`s,
+  `DEFetch`, `PEFetch`, `Cancelled`).
+- mode: `Mode` (layerwise, paths, scheduler, io), `MODE_PRESETS`, `mode_preset(name)`.
 - params: `derive_scheduler_params(model, hw, coeffs=None, **overrides) -> SchedulerParams`
   (alpha = 3 s of storage-NIC reads, beta = 5 s of one GPU's prefill, Z factor 1.05, quota
   300 ms, and every [INF] choice as a named field).
@@ -58,6 +64,7 @@ from dualpath.sched.de import (
     de_group_fetch,
     de_group_fetch_round_robin,
 )
+from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import (
     AssignmentOrder,
     HbmNeed,
@@ -68,6 +75,7 @@ from dualpath.sched.params import (
 )
 from dualpath.sched.path import apply_read_plan, choose_read_path, plan_read
 from dualpath.sched.pe import pe_fetch, pe_fetch_round_robin
+from dualpath.sched.scheduler import Cancelled, Scheduler, Stage
 from dualpath.sched.types import (
     DEAssignment,
     DEFetch,
@@ -84,9 +92,11 @@ from dualpath.sched.types import (
 )
 
 __all__ = [
+    "MODE_PRESETS",
     "AssignmentOrder",
     "AttentionTimeEstimator",
     "BatchEntry",
+    "Cancelled",
     "CostCoefficients",
     "CostFileError",
     "CostModelEstimator",
@@ -96,6 +106,7 @@ __all__ = [
     "EngineReport",
     "GroupAssignment",
     "HbmNeed",
+    "Mode",
     "PEAssignment",
     "PEFetch",
     "PathMode",
@@ -104,7 +115,9 @@ __all__ = [
     "ReadPlan",
     "ReadSide",
     "Role",
+    "Scheduler",
     "SchedulerParams",
+    "Stage",
     "TokCharge",
     "WaitingRequest",
     "apply_read_plan",
@@ -120,6 +133,7 @@ __all__ = [
     "groups_of_nodes",
     "largest_fitting_bsz",
     "load_cost_coefficients",
+    "mode_preset",
     "pack_prefill_batch",
     "pe_fetch",
     "pe_fetch_round_robin",

@@ -8,15 +8,25 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
 
 - `pe_tok_charge` / `de_tok_charge` (what a request adds to `tok`): `PROMPT` (cached + appended
   tokens). `tok` is "the total token count" of unfinished requests, and KV read, attention and
-  decode-side KV all scale with the whole prompt, not the miss part.
+  decode-side KV all scale with the whole prompt, not the miss part. One load charge, in both
+  worlds: a request adds `de_tok_charge` to its DE group's load from the moment DE phase 1
+  commits it to the group's private queue (`Scheduler.private_tokens`), then to its DE's `tok`
+  (the simulator's engine counter; in the runtime the DE node's report, and until the node has
+  the request, the scheduler's addition to that report) until it finishes. The runtime used to
+  charge the private queue and the undelivered requests with `prompt_tokens` whatever this
+  field said; at the default (`PROMPT`) the two are the same, so no result changed. `PROMPT`
+  is also what the runtime's engines count in their own reports (a prompt's tokens), so the
+  runtime runs only this default (`runtime.scheduler.SchedulerConfig` checks it).
 - `update_read_q_within_fetch`: `True`. When a fetch knows a request's read path it adds the
   read to the chosen node's `read_q` at once, so one fetch that assigns many requests does not
   keep sending them to a node whose queue it has already filled (the purpose of category 2).
 - `assignment_order` (PE first or DE first): `DE_FIRST`. Both paths need the DE before prefill
   (PE step 6 / DE step 1 target it), and binding the DE first lets the PE fetch choose the read
-  path and update `read_q` in the same pass. The drivers (simulator, runtime) read this field
-  to decide which queue a new request enters first; the policies themselves plan the read in
-  whichever fetch comes second (`pe_fetch(de_node_of=...)` or `de_group_fetch(pe_node_of=...)`).
+  path and update `read_q` in the same pass. `sched.scheduler.Scheduler` reads this field to
+  decide which queue a new request enters first and where a fetch's assignments go next; the
+  policies plan the read in whichever fetch comes second (`pe_fetch(de_node_of=...)` or
+  `de_group_fetch(pe_node_of=...)`). The simulator runs both orders; the runtime only DE first
+  (its PE's task names the DE, so the DE must be bound before the PE fetch answers).
 - `hbm_need` (what HBM a DE reserves): `PROMPT_PLUS_GEN`, the KV of the prompt and of every
   token the turn will generate, so an admitted request never needs preemption.
 - `r_set_stops_at_first_misfit` (how R is traversed): `True`; R is the FIFO prefix that fits

@@ -11,9 +11,9 @@ Module map (the pipeline is the file list):
     kernel.py     heap of (time, seq, callback); deterministic tie-breaking
     flows.py      links and flows; weighted max-min rates on tight links, recomputed locally
     workload.py   turns as numpy arrays: Table-2 agents, hand-made lists, Mooncake traces
-    config.py     frozen SimConfig: cluster, Mode switches, SimParams, Driver, seed
+    config.py     frozen SimConfig: cluster, Mode (sched.mode), SimParams, Driver, seed
     state.py      run-time Req, Node (storage-NIC FIFO, DRAM, buffer), Engine (CNIC, HBM)
-    policy.py     snapshots in, dualpath.sched decisions out (never a policy of its own)
+    policy.py     the adapter around dualpath.sched's Scheduler (never a policy of its own)
     simulator.py  drivers, DE/PE dispatch, reads, prefill steps, decode epochs, persistence
     result.py     SimResult: per-request records, JCT, TTFT parts, utilization, balance
 """

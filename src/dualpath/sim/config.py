@@ -8,65 +8,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dualpath.core.cluster import ClusterSpec
-from dualpath.core.errors import SpecError, UnknownPresetError
+from dualpath.core.errors import SpecError
 from dualpath.core.storage import StorageReadModel
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
+from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import SchedulerParams
 from dualpath.sim.workload import Workload
 
-PATHS = ("pe", "dual", "split")
-SCHEDULERS = ("round_robin", "dualpath")
-IO_MODES = ("real", "oracle")
 DRIVERS = ("offline", "online", "replay")
 
-
-@dataclass(frozen=True)
-class Mode:
-    """Composable switches (ARCHITECTURE.md "Modes"), not forks of the code."""
-
-    is_layerwise: bool = True
-    """Layerwise prefill: per-layer KV streaming overlapped with compute, no HBM limit on hits."""
-    paths: str = "dual"
-    """`pe`: read hits on the PE side only; `dual`: the side with the shorter read queue;
-    `split`: split one request's read across both sides (the paper's future work)."""
-    scheduler: str = "dualpath"
-    """`round_robin`: engines in turn, no compute quota; `dualpath`: Algorithm 1, two-level DE
-    scheduling and the intra-engine compute quota."""
-    io: str = "real"
-    """`oracle`: every storage read, H2D/D2H copy and PD KV transfer is bypassed."""
-
-    def __post_init__(self) -> None:
-        for name, value, valid in (
-            ("paths", self.paths, PATHS),
-            ("scheduler", self.scheduler, SCHEDULERS),
-            ("io", self.io, IO_MODES),
-        ):
-            if value not in valid:
-                raise SpecError("mode", name, value, f"must be one of {', '.join(valid)}")
-
-    @property
-    def is_oracle(self) -> bool:
-        return self.io == "oracle"
-
-
-MODE_PRESETS: dict[str, Mode] = {
-    "basic": Mode(is_layerwise=False, paths="pe", scheduler="round_robin"),
-    "layerwise": Mode(is_layerwise=True, paths="pe", scheduler="round_robin"),
-    "dual-path": Mode(is_layerwise=True, paths="dual", scheduler="round_robin"),
-    "dualpath": Mode(),
-    "split": Mode(paths="split"),
-    "oracle": Mode(io="oracle"),
-}
-"""The paper's baselines and ablation steps: basic, +layerwise, +dual-path, dualpath (all),
-oracle (I/O bypassed) and the split-read extension."""
-
-
-def mode_preset(name: str) -> Mode:
-    """The named mode; UnknownPresetError lists the valid names."""
-    try:
-        return MODE_PRESETS[name]
-    except KeyError:
-        raise UnknownPresetError("mode", name, list(MODE_PRESETS)) from None
+# `Mode` is shared with the runtime (`dualpath.sched.mode`); re-exported for existing imports.
+__all__ = ["DRIVERS", "MODE_PRESETS", "Driver", "Mode", "SimConfig", "SimParams", "mode_preset"]
 
 
 @dataclass(frozen=True)

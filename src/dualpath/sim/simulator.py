@@ -27,14 +27,14 @@ import gc
 import heapq
 import math
 import random
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
 from dualpath.core.storage import storage_read_model
 from dualpath.sched import cost as costmod
+from dualpath.sched.scheduler import Stage
 from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
 from dualpath.sim.config import SimConfig
 from dualpath.sim.flows import Flow, FlowNet, Link
@@ -96,7 +96,6 @@ class Simulator:
         self.coeffs = coeffs
         self.hbm_reserve = (coeffs.hbm_reserve_fraction if self.params.hbm_reserve_fraction is None
                             else self.params.hbm_reserve_fraction)
-        self.policy = Policy(config, coeffs)
         self.attn_fixed_s = costmod.attention_fixed_time_s(self.model, coeffs)
         self._reports: dict[int, EngineReport] = {}
         self.kv_bpt = self.model.kv_bytes_per_token
@@ -167,15 +166,14 @@ class Simulator:
         self.pgroup_of = {e: grp for grp in self.pgroups for e in grp.engines}
         self.dgroup_of = {e: grp for grp in self.dgroups for e in grp.engines}
         self.dgroup_index = {e: gi for gi, grp in enumerate(self.dgroups) for e in grp.engines}
+        self.policy = Policy(config, coeffs, len(self.dgroups))
+        self.sched = self.policy.sched
         self.dgroup_tok = [0] * len(self.dgroups)
         """Sum of `tok` over each DE group's engines (DE phase 1 balances it)."""
         self.de_dirty: set[int] = set()
         self.reqs: list[Req] = []
         self.waiting: dict[int, WaitingRequest] = {}
-        self.de_global: deque[Req] = deque()
-        self.pe_queue: deque[Req] = deque()
         self.next_pgroup = 0
-        self.de_node_of = _DeNodeOf(self)
         self.de_read_q: dict[int, int] = dict.fromkeys(de_nodes, 0)
         """node -> read queue (tokens) of every DE node, kept equal to `Node.read_q_tokens`.
         A PE fetch reads it for the DE nodes of the requests it assigns; giving it every DE node
@@ -296,9 +294,12 @@ class Simulator:
         req = Req(len(self.reqs), agent, row, self.wl_prompt[row], self.wl_hit[row],
                   self.wl_gen[row], self.loop.now_s)
         self.reqs.append(req)
-        self.waiting[req.rid] = WaitingRequest(req.rid, req.prompt, req.hit, req.gen)
-        self.de_global.append(req)
-        self._dispatch_de()
+        w = WaitingRequest(req.rid, req.prompt, req.hit, req.gen)
+        self.waiting[req.rid] = w
+        if self.sched.submit(w) is Stage.PE:
+            self._dispatch_pe()
+        else:
+            self._dispatch_de()
 
     def _group_reports(self, engine_ids: list[int], role: Role) -> list[EngineReport]:
         """The engines' fetch reports; each is reused while nothing in it changed (most
@@ -325,75 +326,85 @@ class Simulator:
 
     def _dispatch_de(self) -> None:
         """Two-level DE scheduling: the global queue to groups, then a fetch by each group
-        whose private queue or free HBM changed since its last fetch."""
-        pol = self.policy
-        if self.de_global:
-            waiting = [self.waiting[r.rid] for r in self.de_global]
-            for rid, gi in pol.de_groups(waiting, self.dgroup_tok):
-                pol.enqueue_private(gi, self.reqs[rid], self.waiting[rid])
-                self.de_dirty.add(gi)
-            self.de_global.clear()
+        whose private queue or free HBM changed since its last fetch. A DE assignment that
+        carries a read plan (PE first) starts its reads; the others wait for a PE."""
+        sched = self.sched
+        if sched.num_global:
+            for g in sched.drain(self.dgroup_tok):
+                self.de_dirty.add(g.group_id)
         moved = False
-        waiting_of = self.waiting
+        params = sched.params
         dirty, self.de_dirty = sorted(self.de_dirty), set()
         for gi in dirty:
-            grp = self.dgroups[gi]
-            queue = pol.private[gi]
-            if not queue:
+            head = sched.de_head(gi)
+            if head is None:
                 continue
+            grp = self.dgroups[gi]
             # Both DE policies end a fetch at once when the head fits no engine's free HBM
             # (reports carry int(free)) or every engine is at the sequence cap, with no state
             # change: skip building that fetch.
-            need = pol.params.hbm_bytes(waiting_of[queue[0].rid])
+            need = params.hbm_bytes(head)
             engines = self.engines
             if all(int(engines[e].free_hbm_bytes) < need
-                   or pol.params.is_de_full(engines[e].num_seqs) for e in grp.engines):
+                   or params.is_de_full(engines[e].num_seqs) for e in grp.engines):
                 continue
             reports = self._group_reports(grp.engines, Role.DECODE)
-            # Lazy: R stops at the first misfit, so a long private queue is not walked.
-            pending = _waiting_of(waiting_of, queue)
-            for rid, engine_id, hbm in pol.de_fetch(gi, pending, reports):
-                req = pol.pop_private(gi, self.waiting[rid])
-                assert req.rid == rid
-                eng = self.engines[engine_id]
-                req.de, req.hbm_bytes, req.t_de = engine_id, hbm, self.loop.now_s
-                eng.free_hbm_bytes -= hbm
+            pe_read_q = None if sched.is_de_first else self._pe_read_q()
+            fetch = sched.de_fetch(gi, reports, pe_read_q, True)
+            for a in fetch.assignments:
+                rid = a.request_id
+                req = self.reqs[rid]
+                eng = self.engines[a.engine_id]
+                req.de, req.hbm_bytes, req.t_de = a.engine_id, a.hbm_bytes, self.loop.now_s
+                eng.free_hbm_bytes -= a.hbm_bytes
                 eng.num_seqs += 1
-                charge = pol.de_charge(self.waiting[rid])
+                charge = sched.de_charge(self.waiting[rid])
                 eng.num_tokens += charge
-                self._touch(engine_id)
+                self._touch(a.engine_id)
                 self.dgroup_tok[gi] += charge
-                self.pe_queue.append(req)
-                moved = True
+                if a.read is None:
+                    moved = True
+                else:
+                    self._start_reads(req, a.read)
         if moved:
             self._dispatch_pe()
 
+    def _pe_read_q(self) -> dict[int, int]:
+        """node -> read queue of every PE node (a PE-first DE fetch plans reads with it)."""
+        return {nd.idx: nd.read_q_tokens for nd in self.nodes if nd.is_prefill}
+
     def _dispatch_pe(self) -> None:
         """PE groups fetch from the FIFO queue (Algorithm 1 or round robin), in turn: the
-        group after the last one that fetched goes first, so no node is favoured."""
-        pol = self.policy
+        group after the last one that fetched goes first, so no node is favoured. A PE
+        assignment that carries a read plan (DE first) starts its reads; the others wait for
+        a DE."""
+        sched = self.sched
         num = len(self.pgroups)
-        beta = pol.params.beta_tokens
+        beta = sched.params.beta_tokens
+        moved = False
         for k in range(num):
-            if not self.pe_queue:
-                return
+            if not sched.num_pe_waiting:
+                break
             grp = self.pgroups[(self.next_pgroup + k) % num]
             if all(self.engines[e].num_tokens > beta for e in grp.engines):
                 continue  # every engine is overloaded: its fetch would return nothing
             reports = self._group_reports(grp.engines, Role.PREFILL)
-            queue = _waiting_of(self.waiting, self.pe_queue)
-            assigned = pol.pe_fetch(grp.idx, queue, reports, self.de_node_of, self.de_read_q)
+            assigned = sched.pe_fetch(grp.idx, reports, self.de_read_q, True).assignments
             if assigned:
                 self.next_pgroup = (grp.idx + 1) % num
             for a in assigned:
-                req = self.pe_queue.popleft()
-                assert req.rid == a.request_id
+                req = self.reqs[a.request_id]
                 eng = self.engines[a.engine_id]
                 req.pe, req.t_pe = a.engine_id, self.loop.now_s
                 eng.num_seqs += 1
-                eng.num_tokens += pol.pe_charge(self.waiting[req.rid])
+                eng.num_tokens += sched.pe_charge(self.waiting[req.rid])
                 self._touch(a.engine_id)
-                self._start_reads(req, a.read)
+                if a.read is None:
+                    moved = True
+                else:
+                    self._start_reads(req, a.read)
+        if moved:
+            self._dispatch_de()
 
     # -- storage reads --------------------------------------------------------------------------
     def _start_reads(self, req: Req, plan: ReadPlan | None) -> None:
@@ -799,38 +810,6 @@ class Simulator:
             self._arrive(req.agent, nxt)
         else:
             self._dispatch_de()
-
-
-def _waiting_of(
-    waiting: dict[int, WaitingRequest], reqs: Iterable[Req]
-) -> Iterator[WaitingRequest]:
-    """The scheduler's view of `reqs`, lazily: a fetch stops early, so long queues are not
-    walked (a generator function: mypyc compiles a generator expression into a list)."""
-    for r in reqs:
-        yield waiting[r.rid]
-
-
-class _DeNodeOf(Mapping[int, int]):
-    """request id -> node of its DE, for requests in the PE queue (a view, built on demand:
-    a fetch looks up only the requests it assigns)."""
-
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
-
-    def __getitem__(self, rid: int) -> int:
-        de = self.sim.reqs[rid].de
-        if de < 0:
-            raise KeyError(rid)
-        return self.sim.engines[de].node
-
-    def __contains__(self, rid: object) -> bool:
-        return isinstance(rid, int) and 0 <= rid < len(self.sim.reqs) and self.sim.reqs[rid].de >= 0
-
-    def __iter__(self) -> Iterator[int]:
-        return (r.rid for r in self.sim.pe_queue)
-
-    def __len__(self) -> int:
-        return len(self.sim.pe_queue)
 
 
 def simulate(config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
