@@ -107,8 +107,8 @@ class Simulator:
         )
         self.links: list[Link] = []
         bin_s = self.params.utilization_bin_s
+        # KV reads run at the storage system's calibrated rate; writes at the line rate.
         storage = self.params.storage_read or storage_read_model(self.hw.name)
-        self.storage = storage
         snic_read_bytes_per_s = storage.read_bytes_per_s(
             self.hw.storage_nic_bytes_per_s, self.kv_bpt * self.block)
         cnic = min(self.hw.compute_nic_bytes_per_s, self.hw.pcie_bytes_per_s)
@@ -428,7 +428,7 @@ class Simulator:
             self._read_done(req)
 
     def _next_read(self, nd: Node) -> None:
-        """FIFO server: one read at a time at the storage NIC's full (shared) rate; a read
+        """FIFO server: one read at a time at the storage NIC's (calibrated) read rate; a read
         starts only when the node buffer has room for it (or the buffer is empty). Without
         layerwise prefill a PE-side read lands in its engine's HBM, so it also waits for room
         there (`_first_hbm_fit`); reads of engines with room go first meanwhile."""
