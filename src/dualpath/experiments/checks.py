@@ -137,9 +137,9 @@ def table1(ctx: Context) -> Section:
         "dimensions at one byte each, without the DSA indexer keys and the FP8 scales our "
         "preset stores (FlashMLA's 656 B format plus 132 B of indexer key). We keep the "
         "preset: it is what an engine stores. If the paper's storage held the smaller "
-        "format, its storage NICs moved even fewer bytes per second than section "
-        "`storage-rate` computes with our KV size, so the KV size does not explain why the "
-        "paper's storage-bound runs are slower than ours."
+        "format, its storage NICs moved even fewer bytes per second than section `storage` "
+        "computes with our KV size, so the KV size does not explain why the paper's "
+        "storage-bound runs needed a storage read rate well below the line rate."
     )
     return Section("table1", "Table 1: cache-compute ratio (model check)", body, (csvp,),
                    time.perf_counter() - started, ctx.scale)
