@@ -16,7 +16,7 @@ corrupted rerun), turn 2 reports its stored tokens as cached, the event log show
 and the one load error. Prints a JSON summary and exits non-zero on a failed check.
 
 Run (in the vLLM venv, `make vllm-setup`): `.venv-vllm/bin/python benchmarks/vllm_connector_demo.py`
-(about 5-8 minutes on 2 CPU cores: mostly two vLLM start-ups).
+(about 3-4 minutes on 2 CPU cores: mostly two vLLM start-ups).
 """
 
 from __future__ import annotations

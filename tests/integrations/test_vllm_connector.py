@@ -1,7 +1,7 @@
 """DualPathConnector inside real vLLM (CPU) with SmolLM2: runs `benchmarks/vllm_connector_demo.py`.
 
 Skipped where vllm is not importable (the main `.venv`; `make test`). In the vLLM venv:
-`.venv-vllm/bin/python -m pytest tests/integrations/test_vllm_connector.py` (5-8 minutes on
+`.venv-vllm/bin/python -m pytest tests/integrations/test_vllm_connector.py` (3-4 minutes on
 2 cores). The demo asserts identical greedy tokens with and without the connector, turn 2's
 cached tokens from storage, and a corrupted block recomputed; this test requires every check.
 """
