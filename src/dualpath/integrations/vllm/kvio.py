@@ -1,0 +1,179 @@
+"""The worker side of `DualPathConnector`: Full Blocks between vLLM's paged KV and storage.
+
+A Full Block here is one vLLM block of every attention layer: the payload is the layers'
+pages in `layer_names` order, each page the bytes of `kv[block_id]` of that layer's paged
+tensor (logically `[num_blocks, ...]`; vLLM's CPU backend is `[B, H, N, 2 * head_size]`, K and
+V side by side, KV layout LBHNC). Indexing the logical block axis makes this independent of the
+physical stride order: a page is copied through a view, never reinterpreted in place.
+
+Per step (`bind` .. `finish_step`), in vLLM's calling order:
+
+1. `load()` before the forward: every planned block is read from the store into a staging
+   Full Block (one `preadv`, CRC32C verified). A block that is missing or corrupt (the store
+   removes a corrupt file) is a load error; the request's later blocks are not read, since
+   vLLM recomputes from the first failed block on (`kv_load_failure_policy="recompute"`).
+2. `inject(layer, kv)` just before a layer's attention runs: that layer's page of every staged
+   block is copied into the paged KV (the layer-by-layer half of the PE read path).
+3. `capture(layer, kv)` just after a layer's attention: that layer's page of every block to
+   save is copied into a staging Full Block. Blocks already stored are skipped, and so is every
+   block of a request with a load error in this step (its KV is recomputed next step).
+4. `flush()` after the forward: staged saves are written (atomic, checksummed); a failed put
+   is counted and the block is a later miss.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
+from dualpath.runtime.store import BlockStore
+
+
+class LayoutError(ValueError):
+    """A paged KV tensor does not match the layout the store was opened for."""
+
+
+@dataclass
+class WorkerCounters:
+    """What the worker side has moved since it started."""
+
+    loaded_blocks: int = 0
+    load_errors: int = 0
+    saved_blocks: int = 0
+    skipped_saves: int = 0
+    """Blocks planned for saving that were stored already (or belonged to a failed load)."""
+    failed_saves: int = 0
+
+
+@dataclass
+class _Staged:
+    block_id: int
+    buf: torch.Tensor
+    """uint8 [full_block_bytes]."""
+    key: bytes = b""
+
+
+class KVWorker:
+    """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors."""
+
+    def __init__(self, store: BlockStore, layer_names: Sequence[str], page_bytes: int,
+                 event_log: Path | str | None = None) -> None:
+        if store.full_block_bytes != len(layer_names) * page_bytes:
+            raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
+                              f"{len(layer_names)} layers x {page_bytes} B pages were given")
+        self.store = store
+        self.layer_names = list(layer_names)
+        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self.page_bytes = page_bytes
+        self.event_log = Path(event_log) if event_log else None
+        self.counters = WorkerCounters()
+        self._plan = StepPlan()
+        self._loaded: list[_Staged] = []
+        self._saves: list[_Staged] | None = None
+        self._failed_reqs: set[str] = set()
+        self._error_block_ids: set[int] = set()
+
+    # -- step ------------------------------------------------------------------------------
+    def bind(self, plan: StepPlan) -> None:
+        """Start a step with the scheduler's plan."""
+        self._plan = plan
+        self._loaded = []
+        self._saves = None
+        self._failed_reqs = set()
+
+    def load(self) -> None:
+        """Read every planned block from the store into staging (before the layers run)."""
+        for t in self._plan.loads:
+            n_ok = 0
+            for block_id, key in zip(t.block_ids, t.keys, strict=True):
+                buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
+                if not self.store.get_into(key, buf.numpy()):
+                    self._failed_reqs.add(t.req_id)
+                    self._error_block_ids.add(block_id)
+                    self.counters.load_errors += 1
+                    break  # vLLM recomputes from the first failed block on
+                self._loaded.append(_Staged(block_id, buf))
+                n_ok += 1
+            self.counters.loaded_blocks += n_ok
+            self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
+
+    def inject(self, layer_name: str, kv: torch.Tensor) -> None:
+        """Copy layer `layer_name`'s page of every staged block into its paged KV `kv`."""
+        if not self._loaded:
+            return
+        i = self._layer_of(layer_name, kv)
+        lo, hi = i * self.page_bytes, (i + 1) * self.page_bytes
+        for s in self._loaded:
+            page = kv[s.block_id]
+            page.copy_(s.buf[lo:hi].view(kv.dtype).view(page.shape))
+
+    def capture(self, layer_name: str, kv: torch.Tensor) -> None:
+        """Copy layer `layer_name`'s page of every block to save out of its paged KV `kv`."""
+        if self._saves is None:
+            self._saves = self._stage_saves()
+        if not self._saves:
+            return
+        i = self._layer_of(layer_name, kv)
+        lo, hi = i * self.page_bytes, (i + 1) * self.page_bytes
+        for s in self._saves:
+            s.buf[lo:hi].view(kv.dtype).view(kv.shape[1:]).copy_(kv[s.block_id])
+
+    def flush(self) -> None:
+        """Write the staged saves (after the forward); every layer must have been captured."""
+        for s in self._saves or ():
+            try:
+                if self.store.put(s.key, s.buf.numpy().data, overwrite=False):
+                    self.counters.saved_blocks += 1
+                else:
+                    self.counters.skipped_saves += 1
+            except OSError:
+                self.counters.failed_saves += 1
+        if self._saves:
+            self.log_event({"event": "save", "blocks": len(self._saves)})
+        self._saves = None
+        self._loaded = []
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids that failed to load since the last call."""
+        errors, self._error_block_ids = self._error_block_ids, set()
+        return errors
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _stage_saves(self) -> list[_Staged]:
+        staged: list[_Staged] = []
+        for t in self._plan.saves:
+            for block_id, key in zip(t.block_ids, t.keys, strict=True):
+                if t.req_id in self._failed_reqs or self.store.contains(key):
+                    self.counters.skipped_saves += 1
+                    continue
+                buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
+                staged.append(_Staged(block_id, buf, key))
+        return staged
+
+    def _layer_of(self, layer_name: str, kv: torch.Tensor) -> int:
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            raise LayoutError(f"layer {layer_name!r} is not one of the store's layers")
+        got = kv[0].numel() * kv.element_size()
+        if got != self.page_bytes:
+            raise LayoutError(f"layer {layer_name!r}: a page of {tuple(kv.shape[1:])} "
+                              f"{kv.dtype} is {got} B, the store expects {self.page_bytes} B")
+        return i
+
+    def _log(self, event: str, t: BlockTransfer, **extra: object) -> None:
+        self.log_event({"event": event, "req_id": t.req_id, "first_block": t.first_block,
+                         "blocks": len(t.block_ids), **extra})
+
+    def log_event(self, record: dict[str, object]) -> None:
+        """Append `record` (and the counters) to the event log, when there is one."""
+        if self.event_log is None:
+            return
+        record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
+        with self.event_log.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,201 @@
+"""The scheduler side of `DualPathConnector`, pure: hits, loads and saves in vLLM block terms.
+
+vLLM calls the scheduler-side connector with a request's tokens and block ids; this module
+turns those calls into a `StepPlan` per engine step, which travels to the worker inside the
+connector metadata. Nothing here touches vllm, torch or the bytes of a block.
+
+Keys: the block keys of `dualpath.core.blocks` (prefix-chained over the token ids, one per full
+block of `block_size` tokens), chained from a `namespace` that names the model and the KV
+format, so two models never share a key. Only full blocks have keys; a partial tail is never
+stored or loaded.
+
+Hits: `match` reports the stored blocks that follow the locally computed ones (vLLM's own
+prefix cache), capped so that at least one prompt token is computed (vLLM needs a token to
+sample from). Saves: every block that this step completes (its last token's KV is computed
+in this step) is planned once; when vLLM moves a request's computed tokens back (a block that
+failed to load is recomputed, a preempted request restarts), the planned-save mark moves back
+with it, so recomputed blocks are saved again (the worker skips those already stored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dualpath.core.blocks import KEY_BYTES, block_key
+from dualpath.core.errors import SpecError
+
+
+def namespace_key(*parts: object) -> bytes:
+    """The parent key of a block chain: a hash of what must match for KV to be reusable."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in parts:
+        h.update(repr(part).encode())
+        h.update(b"\0")
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request to move between storage and vLLM's paged KV in one step."""
+
+    req_id: str
+    first_block: int
+    """Index (in the request) of the first block; blocks are consecutive."""
+    block_ids: tuple[int, ...]
+    """vLLM's physical block ids, one per block."""
+    keys: tuple[bytes, ...]
+    """Storage keys, one per block."""
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.keys):
+            raise ValueError(f"{self.req_id}: {len(self.block_ids)} block ids, "
+                             f"{len(self.keys)} keys")
+
+
+@dataclass
+class StepPlan:
+    """What the worker does in one engine step: loads before the layers run, saves after."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+@dataclass
+class _Request:
+    tokens: Sequence[int]
+    """A live view of the request's tokens (vLLM appends outputs to it)."""
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    """Keys of the first `len(keys)` blocks (computed as the request grows)."""
+    num_saved: int = 0
+    """Blocks below this index were planned for saving (or found stored)."""
+
+
+@dataclass(frozen=True)
+class _Match:
+    num_computed_tokens: int
+    num_hit_tokens: int
+
+
+class Planner:
+    """Scheduler-side state of the connector, one per vLLM scheduler."""
+
+    def __init__(self, block_size: int, namespace: bytes,
+                 is_stored: Callable[[bytes], bool]) -> None:
+        if block_size < 1:
+            raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
+        self.block_size = block_size
+        self.namespace = namespace
+        self._is_stored = is_stored
+        self._requests: dict[str, _Request] = {}
+        self._matches: dict[str, _Match] = {}
+        self._pending_loads: dict[str, _Match] = {}
+        self._plan = StepPlan()
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def add_request(self, req_id: str, tokens: Sequence[int]) -> None:
+        """A new request; `tokens` is a live view that grows with its outputs."""
+        self._requests[req_id] = _Request(tokens=tokens)
+
+    def finish(self, req_id: str) -> None:
+        """Forget a finished request (its blocks were saved in the steps that filled them)."""
+        self._requests.pop(req_id, None)
+        self._matches.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    # -- hits -------------------------------------------------------------------------------
+    def match(self, req_id: str, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` whose KV is stored (block aligned; may be 0).
+
+        Side-effect free apart from caching keys (vLLM may ask several times per request).
+        """
+        req = self._requests[req_id]
+        bs = self.block_size
+        limit = max(len(req.tokens) - 1, 0) // bs  # leave one token to compute
+        local = num_computed_tokens // bs
+        keys = self._keys(req, limit)
+        n = 0
+        while local + n < limit and self._is_stored(keys[local + n]):
+            n += 1
+        hit = max((local + n) * bs - num_computed_tokens, 0)
+        self._matches[req_id] = _Match(num_computed_tokens, hit)
+        return hit
+
+    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for the request; load `num_external_tokens` from storage."""
+        if num_external_tokens <= 0:
+            self._pending_loads.pop(req_id, None)
+            return
+        m = self._matches.get(req_id)
+        if m is None or m.num_hit_tokens != num_external_tokens:
+            raise ValueError(f"{req_id}: vLLM asks to load {num_external_tokens} tokens, "
+                             f"the last match found {m.num_hit_tokens if m else 0}")
+        self._pending_loads[req_id] = m
+
+    # -- steps ------------------------------------------------------------------------------
+    def schedule_new(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int,
+                     num_scheduled_tokens: int) -> None:
+        """A request scheduled for the first time in this step."""
+        req = self._requests[req_id]
+        req.block_ids = list(block_ids)
+        req.num_saved = 0
+        self._schedule(req_id, req, num_computed_tokens, num_scheduled_tokens)
+
+    def schedule_cached(self, req_id: str, new_block_ids: Sequence[int] | None, *,
+                        is_resumed: bool, num_computed_tokens: int,
+                        num_scheduled_tokens: int) -> None:
+        """A request scheduled again (a later prefill chunk, a decode step, a resumption)."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        if is_resumed:
+            req.block_ids = list(new_block_ids or ())
+        elif new_block_ids:
+            req.block_ids.extend(new_block_ids)
+        self._schedule(req_id, req, num_computed_tokens, num_scheduled_tokens)
+
+    def _schedule(self, req_id: str, req: _Request, num_computed_tokens: int,
+                  num_scheduled_tokens: int) -> None:
+        bs = self.block_size
+        # Computed tokens moved back (a failed load recomputed, a preemption): save again.
+        req.num_saved = min(req.num_saved, num_computed_tokens // bs)
+        load = self._pending_loads.pop(req_id, None)
+        if load is not None:
+            first = load.num_computed_tokens // bs
+            n = load.num_hit_tokens // bs
+            self._plan.loads.append(self._transfer(req_id, req, first, first + n))
+        # Blocks whose every token's KV exists after this step (and whose tokens are known).
+        done = min((num_computed_tokens + num_scheduled_tokens) // bs, len(req.tokens) // bs,
+                   len(req.block_ids))
+        if done > req.num_saved:
+            self._plan.saves.append(self._transfer(req_id, req, req.num_saved, done))
+            req.num_saved = done
+
+    def take_plan(self) -> StepPlan:
+        """This step's plan; the next step starts empty."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    # -- keys -------------------------------------------------------------------------------
+    def _keys(self, req: _Request, num_blocks: int) -> list[bytes]:
+        bs = self.block_size
+        while len(req.keys) < num_blocks:
+            i = len(req.keys)
+            parent = req.keys[-1] if req.keys else self.namespace
+            req.keys.append(block_key(parent, req.tokens[i * bs : (i + 1) * bs]))
+        return req.keys
+
+    def _transfer(self, req_id: str, req: _Request, start: int, stop: int) -> BlockTransfer:
+        keys = self._keys(req, stop)
+        return BlockTransfer(req_id=req_id, first_block=start,
+                             block_ids=tuple(req.block_ids[start:stop]),
+                             keys=tuple(keys[start:stop]))
