@@ -12,7 +12,7 @@ import pytest
 
 from dualpath.cli.main import main
 from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
-from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.model_source import ModelSource, model_tokenizer
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine
 

@@ -11,7 +11,7 @@ import pytest
 
 from dualpath.runtime.cluster import Cluster, RunConfig, agents_from_lengths
 from dualpath.runtime.model import SamplingParams
-from dualpath.runtime.node import ModelSource
+from dualpath.runtime.model_source import ModelSource
 from dualpath.runtime.weights import CheckpointError, load_checkpoint, smollm2_gguf_path
 
 if not os.environ.get("DUALPATH_SLOW_TESTS"):

@@ -20,7 +20,7 @@ rx per engine, including the CNIC-assisted H2D/D2H copies and the receiving engi
 P-D transfers) are rate limited; DRAM bandwidth (`M`) is not, and the high-priority class of the
 compute NICs carries nothing (engines are single-GPU: no collectives). A PE packs each forward
 pass under a compute quota (`sched.pack_prefill_batch`, chunking a prompt that does not fit) and
-runs the packed requests back to back per layer (`engine_pe`). Buffers must hold the prompts in
+runs the packed requests back to back per layer (`prefill_engine`). Buffers must hold the prompts in
 flight on both sides (`dualpath run` sizes them so); a PE and a DE buffer that are both too small
 could otherwise wait on each other.
 """
@@ -47,6 +47,7 @@ from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     Cancel,
+    Inbox,
     Message,
     NodeFailed,
     NodeStats,
@@ -58,7 +59,9 @@ from dualpath.runtime.messages import (
     TurnDone,
     TurnTokens,
 )
-from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
+from dualpath.runtime.model_source import ModelSource, model_config
+from dualpath.runtime.node import run_node
+from dualpath.runtime.node_context import NodeConfig
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.store import BlockStore

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.transfer import SegmentInfo
@@ -256,6 +257,14 @@ Message = (
     | Shutdown
     | NodeFailed
 )
+
+
+class Inbox(Protocol):
+    """A queue of messages (`queue.Queue` for threads, `multiprocessing.Queue` for processes)."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 def is_parent_gone() -> bool:

@@ -25,8 +25,7 @@ import queue
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive_int
@@ -36,6 +35,7 @@ from dualpath.runtime.messages import (
     EngineLoad,
     Fetch,
     Fetched,
+    Inbox,
     Message,
     NodeFailed,
     NodeStats,
@@ -75,7 +75,7 @@ class SchedulerConfig:
             raise SpecError("scheduler", "assignment_order", self.params.assignment_order.value,
                             "the runtime binds DEs first (a PE's task names its DE)")
         for name in ("pe_tok_charge", "de_tok_charge"):
-            # The engines report `tok` as their requests' prompt tokens (engine_pe/_de): a
+            # The engines report `tok` as their requests' prompt tokens (prefill_engine, decode_engine): a
             # scheduler charging anything else would mix two units in one load.
             if getattr(self.params, name) is not TokCharge.PROMPT:
                 raise SpecError("scheduler", name, getattr(self.params, name).value,
@@ -261,31 +261,15 @@ class RuntimeScheduler:
         )
 
 
-def with_path_mode(params: SchedulerParams, mode: str) -> SchedulerParams:
-    """`params` with `path_mode` set by name (pe, dual, split)."""
-    from dualpath.sched.params import PathMode
-
-    try:
-        return replace(params, path_mode=PathMode(mode))
-    except ValueError:
-        raise SpecError("scheduler", "path_mode", mode, "must be pe, dual or split") from None
-
-
-class _Queue(Protocol):
-    def put(self, item: Any) -> None: ...
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
-
-
 SCHEDULER_NODE = -1
 """`NodeFailed.node` of a scheduler failure."""
 
 
 def serve_scheduler(
     cfg: SchedulerConfig,
-    inbox: _Queue,
-    nodes: dict[int, _Queue],
-    driver: _Queue,
+    inbox: Inbox,
+    nodes: dict[int, Inbox],
+    driver: Inbox,
     max_park_s: float = 0.05,
 ) -> None:
     """The scheduler process (or thread): serve until `Shutdown`, then send `SchedulerStats`.
@@ -307,9 +291,9 @@ def serve_scheduler(
 
 def _serve(
     sched: RuntimeScheduler,
-    inbox: _Queue,
-    nodes: dict[int, _Queue],
-    driver: _Queue,
+    inbox: Inbox,
+    nodes: dict[int, Inbox],
+    driver: Inbox,
     max_park_s: float,
 ) -> None:
     parked: dict[int, tuple[float, Fetch]] = {}

@@ -45,7 +45,7 @@ from dualpath.runtime.messages import (
     TurnTokens,
 )
 from dualpath.runtime.model import DecodeSequence, KVCache
-from dualpath.runtime.node import NodeContext, ReadJob
+from dualpath.runtime.node_context import NodeContext, ReadJob
 
 
 @dataclass
