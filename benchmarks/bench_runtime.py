@@ -41,10 +41,12 @@ from pathlib import Path
 from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
 from dualpath.runtime.buffers import BufferPool
-from dualpath.runtime.cluster import Cluster, RunConfig, agents_from_lengths
+from dualpath.runtime.cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.model_source import ModelSource
 from dualpath.runtime.node_context import NodeConfig, NodeContext, ReadJob
+from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.storage_io import reader_loop
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.traffic import NodeNics, TrafficManager
@@ -183,7 +185,7 @@ def bench_end_to_end() -> dict[str, dict[str, float]]:
                 hbm_bytes=32 * MiB,
             )
             cluster = Cluster(cfg)
-            r = cluster.run(agents_from_lengths(turns, cluster.vocab_size, seed=0))
+            r = replay(cluster, agents_from_lengths(turns, cluster.vocab_size, seed=0))
             util = r.snic_read_utilization()
             out[mode] = {
                 "jct_s": r.jct_s,
@@ -221,7 +223,7 @@ def bench_pe_packing(repeats: int) -> dict[str, dict[str, float]]:
                     **overrides,  # type: ignore[arg-type]
                 )
                 cluster = Cluster(cfg)
-                r = cluster.run(agents_from_lengths(turns, cluster.vocab_size, seed=0))
+                r = replay(cluster, agents_from_lengths(turns, cluster.vocab_size, seed=0))
                 jcts.append(r.jct_s)
                 ttfts.append(statistics.mean(t.first_token_at - t.submitted_at for t in r.turns))
                 counters = r.engine_counters()

