@@ -2,7 +2,7 @@
 per-Layer-Block transfer overhead with and without doorbell batching, and tokens/s.
 
 1. Storage -> engine memory on the PE read path: a node's real reader thread
-   (`node._reader_loop`: buffer-slot allocation, `BlockStore.get_into` = open + preadv + CRC
+   (`storage_io.reader_loop`: buffer-slot allocation, `BlockStore.get_into` = open + preadv + CRC
    check, pacing on the storage NIC's read port) reads SmolLM2-sized fp32 Full Blocks (2.95 MB)
    from a temp store while the engine copies each loaded block, layer by layer, into engine
    memory (`KVLayout.gather_layer`, charged to its compute NIC). Reported: bytes/s from the
@@ -41,9 +41,13 @@ from pathlib import Path
 from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
 from dualpath.runtime.buffers import BufferPool
-from dualpath.runtime.cluster import Cluster, RunConfig, agents_from_lengths
+from dualpath.runtime.cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.node import ModelSource, NodeConfig, NodeContext, ReadJob, _reader_loop
+from dualpath.runtime.model_source import ModelSource
+from dualpath.runtime.node_context import NodeConfig, NodeContext, ReadJob
+from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
+from dualpath.runtime.storage_io import reader_loop
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.traffic import NodeNics, TrafficManager
 from dualpath.runtime.transfer import is_nixl_available, make_transfer_engine
@@ -85,7 +89,7 @@ def bench_storage_reads(repeats: int, num_blocks: int) -> dict[str, float]:
             shm_prefix=f"bench{uuid.uuid4().hex[:6]}",
         )
         ctx = NodeContext(cfg, lambda _node, _msg: None)
-        reader = threading.Thread(target=_reader_loop, args=(ctx,), daemon=True)
+        reader = threading.Thread(target=reader_loop, args=(ctx,), daemon=True)
         reader.start()
         tx, rx = ctx.nics.compute_tx[0], ctx.nics.compute_rx[0]
 
@@ -181,7 +185,7 @@ def bench_end_to_end() -> dict[str, dict[str, float]]:
                 hbm_bytes=32 * MiB,
             )
             cluster = Cluster(cfg)
-            r = cluster.run(agents_from_lengths(turns, cluster.vocab_size, seed=0))
+            r = replay(cluster, agents_from_lengths(turns, cluster.vocab_size, seed=0))
             util = r.snic_read_utilization()
             out[mode] = {
                 "jct_s": r.jct_s,
@@ -219,7 +223,7 @@ def bench_pe_packing(repeats: int) -> dict[str, dict[str, float]]:
                     **overrides,  # type: ignore[arg-type]
                 )
                 cluster = Cluster(cfg)
-                r = cluster.run(agents_from_lengths(turns, cluster.vocab_size, seed=0))
+                r = replay(cluster, agents_from_lengths(turns, cluster.vocab_size, seed=0))
                 jcts.append(r.jct_s)
                 ttfts.append(statistics.mean(t.first_token_at - t.submitted_at for t in r.turns))
                 counters = r.engine_counters()

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from dualpath.runtime.cluster import RunConfig
-from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine, make_server
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli.main import main
-from dualpath.runtime.cluster import Cluster, RunConfig, RunResult, agents_from_lengths
-from dualpath.runtime.node import ModelSource, model_tokenizer
+from dualpath.runtime.cluster import Cluster
+from dualpath.runtime.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine
 
@@ -33,7 +35,7 @@ def run(store: Path) -> RunResult:
                     num_prefill_nodes=1, num_decode_nodes=1, engines_per_node=1,
                     buffer_bytes=8 * MiB, hbm_bytes=16 * MiB, transfer_kind="shm")
     cluster = Cluster(cfg)
-    return cluster.run(agents_from_lengths(TURNS, cluster.vocab_size, seed=0), timeout_s=120)
+    return replay(cluster, agents_from_lengths(TURNS, cluster.vocab_size, seed=0), timeout_s=120)
 
 
 @pytest.fixture(scope="module")

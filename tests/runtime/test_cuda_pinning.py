@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dualpath.runtime.buffers import BufferPool
-from dualpath.runtime.node import _pin
+from dualpath.runtime.node_context import _pin
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -13,14 +13,10 @@ from safetensors.torch import save_file
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
+from dualpath.runtime.kv_cache import DecodeSequence, KVCache, KVCacheFullError
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.model import (
-    DecodeSequence,
-    KVCache,
-    KVCacheFullError,
-    Model,
-    SamplingParams,
-)
+from dualpath.runtime.model import Model
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.weights import (
     CheckpointError,

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.cluster import AgentScript, Cluster, RunConfig, RunResult, agents_from_lengths
-from dualpath.runtime.model import SamplingParams
+from dualpath.runtime.cluster import Cluster
+from dualpath.runtime.replay import AgentScript, RunResult, agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.weights import tiny_random_model
 
 # Two agents, three turns each: turn 2 and 3 prompts extend the previous context, so they hit.
@@ -46,7 +48,7 @@ def run(tmp_path: Path, **overrides: object) -> RunResult:
     cfg = RunConfig(**fields)  # type: ignore[arg-type]
     cluster = Cluster(cfg)
     agents = agents_from_lengths(TURNS, cluster.vocab_size, seed=0)
-    return cluster.run(agents, timeout_s=120)
+    return replay(cluster, agents, timeout_s=120)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

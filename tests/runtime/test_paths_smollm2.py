@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.cluster import Cluster, RunConfig, agents_from_lengths
-from dualpath.runtime.model import SamplingParams
-from dualpath.runtime.node import ModelSource
+from dualpath.runtime.cluster import Cluster
+from dualpath.runtime.model_source import ModelSource
+from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.weights import CheckpointError, load_checkpoint, smollm2_gguf_path
 
 if not os.environ.get("DUALPATH_SLOW_TESTS"):
@@ -58,7 +60,7 @@ def test_smollm2_paths_match_full_recompute(
     }
     fields.update(overrides)
     cluster = Cluster(RunConfig(**fields))  # type: ignore[arg-type]
-    r = cluster.run(agents, timeout_s=300)
+    r = replay(cluster, agents, timeout_s=300)
     assert r.outputs[0] == expected
     if overrides.get("is_cache_enabled", True):
         assert r.num_hit_tokens >= 2 * BLOCK

@@ -15,13 +15,9 @@ import pytest
 
 from dualpath.cli.main import main
 from dualpath.core.errors import SpecError
-from dualpath.runtime.cluster import (
-    Cluster,
-    RunConfig,
-    RunError,
-    RunResult,
-    agents_from_lengths,
-)
+from dualpath.runtime.cluster import Cluster, RunError
+from dualpath.runtime.replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
 from dualpath.workload.jsonl import TrajectoryFile, save_trajectories
 from dualpath.workload.trajectory import Trajectory
 
@@ -46,7 +42,7 @@ def run_mode(tmp_path: Path, mode: str) -> RunResult:
         transfer_kind="shm",
     )
     cluster = Cluster(cfg)
-    return cluster.run(agents_from_lengths(TURNS, cluster.vocab_size, seed=0), timeout_s=120)
+    return replay(cluster, agents_from_lengths(TURNS, cluster.vocab_size, seed=0), timeout_s=120)
 
 
 def busiest_snic_s(r: RunResult) -> float:
@@ -199,8 +195,8 @@ def test_a_node_process_that_dies_ends_the_run_with_an_error(tmp_path: Path) -> 
         victim.join(timeout=10)
         started = time.monotonic()
         with pytest.raises(RunError, match=r"node 1 process exited with code -9"):
-            cluster.run(agents_from_lengths(TURNS[:2], cluster.vocab_size, seed=0),
-                        timeout_s=120)
+            replay(cluster, agents_from_lengths(TURNS[:2], cluster.vocab_size, seed=0),
+                   timeout_s=120)
         assert time.monotonic() - started < 60
     finally:
         cluster.close()

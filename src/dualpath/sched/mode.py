@@ -1,6 +1,6 @@
 """The mode switches both worlds run under (ARCHITECTURE.md "Modes"): composable switches, not
 forks of the code. The simulator (`dualpath.sim.SimConfig.mode`) and the runtime
-(`dualpath.runtime.cluster.RunConfig.mode`, by preset name) read the same `Mode`, so every
+(`dualpath.runtime.run_config.RunConfig.mode`, by preset name) read the same `Mode`, so every
 ablation step of the paper runs in both."""
 
 from __future__ import annotations

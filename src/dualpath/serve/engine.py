@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.cluster import Cluster, RunConfig, RunError
+from dualpath.runtime.cluster import Cluster, RunError
 from dualpath.runtime.messages import TurnDone, TurnTokens
+from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.tokenizer import Tokenizer
 

@@ -7,13 +7,17 @@ import csv
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from dualpath.sim.simulator import Simulator
+    from dualpath.sched.mode import Mode
+    from dualpath.sim.config import SimConfig, SimParams
+    from dualpath.sim.flows import FlowNet, Link
+    from dualpath.sim.kernel import EventLoop
+    from dualpath.sim.state import Node, Req
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -206,7 +210,43 @@ def _mean(x: FloatArray) -> float:
     return float(np.mean(x)) if len(x) else 0.0
 
 
-def build_result(sim: Simulator) -> SimResult:
+class FinishedRun(Protocol):
+    """What `build_result` reads of a finished run (a `simulator.Simulator`, which imports this
+    module: the result does not import it back)."""
+
+    @property
+    def config(self) -> SimConfig: ...
+    @property
+    def mode(self) -> Mode: ...
+    @property
+    def params(self) -> SimParams: ...
+    @property
+    def loop(self) -> EventLoop: ...
+    @property
+    def net(self) -> FlowNet: ...
+    @property
+    def links(self) -> list[Link]: ...
+    @property
+    def nodes(self) -> list[Node]: ...
+    @property
+    def reqs(self) -> list[Req]: ...
+    @property
+    def kv_bpt(self) -> float: ...
+    @property
+    def cnic_bytes_per_s(self) -> float: ...
+    @property
+    def stop_reason(self) -> str: ...
+    @property
+    def attn_ratio_sum(self) -> float: ...
+    @property
+    def attn_ratio_steps(self) -> int: ...
+    @property
+    def attn_ratio_first(self) -> list[float]: ...
+    @property
+    def num_prefill_steps(self) -> int: ...
+
+
+def build_result(sim: FinishedRun) -> SimResult:
     """Collect a finished `Simulator` into a `SimResult` (closing every link's accounting)."""
     now = sim.loop.now_s
     reqs = sim.reqs
@@ -286,7 +326,7 @@ def build_result(sim: Simulator) -> SimResult:
     )
 
 
-def _nominal(sim: Simulator, kind: str, cap: float) -> float:
+def _nominal(sim: FinishedRun, kind: str, cap: float) -> float:
     # Compute-NIC capacities drop while inference traffic holds the high-priority class;
     # utilization is reported against the nominal (full) capacity.
     if kind.endswith(("cnic_read", "cnic_write")):
@@ -294,7 +334,7 @@ def _nominal(sim: Simulator, kind: str, cap: float) -> float:
     return cap
 
 
-def _mode_name(sim: Simulator) -> str:
+def _mode_name(sim: FinishedRun) -> str:
     from dualpath.sim.config import MODE_PRESETS
 
     for name, mode in MODE_PRESETS.items():

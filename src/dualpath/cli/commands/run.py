@@ -188,7 +188,7 @@ def add_cluster_arguments(
 
 
 def _model_source(args: argparse.Namespace) -> Any:
-    from dualpath.runtime.node import ModelSource
+    from dualpath.runtime.model_source import ModelSource
 
     if args.model in ("tiny", "smollm2"):
         return ModelSource(args.model, seed=args.model_seed)
@@ -221,7 +221,7 @@ def _buffer_bytes(args: argparse.Namespace, preset_bytes: int) -> int:
     slots on both sides at once, PE and DE buffers can never wait on each other in a cycle."""
     if args.buffer_mib is not None:
         return int(args.buffer_mib * MiB)
-    from dualpath.runtime.node import model_config
+    from dualpath.runtime.model_source import model_config
 
     layout = model_config(_model_source(args)).kv_layout(args.block_size)
     blocks_per_agent = -(-args.max_len // args.block_size) + 2
@@ -229,7 +229,7 @@ def _buffer_bytes(args: argparse.Namespace, preset_bytes: int) -> int:
 
 
 def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
-    from dualpath.runtime.cluster import RunConfig
+    from dualpath.runtime.run_config import RunConfig
 
     hw = hardware_preset(args.hardware)
     scale = args.io_scale if args.io_scale is not None else DEFAULT_IO_SCALE.get(args.model, 1.0)
@@ -266,7 +266,8 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
 def _run_mode(args: argparse.Namespace, mode: str, trajectories: list[Any]) -> Any:
     from tqdm import tqdm
 
-    from dualpath.runtime.cluster import Cluster, agents_from_trajectories
+    from dualpath.runtime.cluster import Cluster
+    from dualpath.runtime.replay import agents_from_trajectories, replay
 
     with tempfile.TemporaryDirectory(prefix=f"dualpath-{mode}-") as tmp:
         store = str(Path(args.store) / mode) if args.store else tmp
@@ -282,7 +283,7 @@ def _run_mode(args: argparse.Namespace, mode: str, trajectories: list[Any]) -> A
                 leave=False,
                 disable=args.no_progress or args.json,
             ) as bar:
-                return cluster.run(agents, on_turn=lambda _r: bar.update(1))
+                return replay(cluster, agents, on_turn=lambda _r: bar.update(1))
         finally:
             cluster.close()
 

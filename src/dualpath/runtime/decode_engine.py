@@ -34,6 +34,7 @@ import torch
 
 from dualpath.core.blocks import ROOT_KEY, block_key
 from dualpath.runtime.buffers import BufferFullError
+from dualpath.runtime.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.messages import (
     Cancel,
     DeBufferReady,
@@ -44,8 +45,7 @@ from dualpath.runtime.messages import (
     TurnDone,
     TurnTokens,
 )
-from dualpath.runtime.model import DecodeSequence, KVCache
-from dualpath.runtime.node import NodeContext, ReadJob
+from dualpath.runtime.node_context import NodeContext, ReadJob
 
 
 @dataclass
@@ -64,7 +64,7 @@ class _DeRequest:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.task.token_ids)
+        return len(self.task.turn.token_ids)
 
     @property
     def max_total_tokens(self) -> int:
@@ -115,17 +115,16 @@ class DecodeEngine:
         bs = self.ctx.layout.block_size
         job = ReadJob(
             request_id=task.request_id,
-            num_slots=self.ctx.layout.num_blocks(len(task.token_ids)),
-            blocks=[
-                (i, task.block_keys[i]) for i in range(task.num_pe_blocks, task.num_hit_blocks)
-            ],
+            num_slots=self.ctx.layout.num_blocks(len(task.turn.token_ids)),
+            blocks=[(i, task.turn.block_keys[i])
+                    for i in range(task.num_pe_blocks, task.turn.num_hit_blocks)],
             block_size=bs,
             on_done=self._buffer_ready,
         )
-        req = _DeRequest(task, job, keys=list(task.block_keys))
+        req = _DeRequest(task, job, keys=list(task.turn.block_keys))
         with self._cond:
             self._requests[task.request_id] = req
-        self.ctx.add_read_q((task.num_hit_blocks - task.num_pe_blocks) * bs)
+        self.ctx.add_read_q((task.turn.num_hit_blocks - task.num_pe_blocks) * bs)
         self.ctx.read_queue.put(job)
 
     def _buffer_ready(self, job: ReadJob) -> None:
@@ -192,7 +191,7 @@ class DecodeEngine:
     def _admit(self, req: _DeRequest, done: PrefillDone) -> None:
         ctx, lay, task = self.ctx, self.ctx.layout, req.task
         n = req.num_prompt_tokens
-        seq = DecodeSequence(task.request_id, list(task.token_ids), n, task.sampling)
+        seq = DecodeSequence(task.request_id, list(task.turn.token_ids), n, task.sampling)
         seq.append(done.first_token, self.model.config.eos_token_ids, done.first_logprobs)
         slots = req.read.slots
         blocks = [ctx.pool.slot(s) for s in slots]

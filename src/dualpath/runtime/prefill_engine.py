@@ -56,7 +56,7 @@ from dualpath.runtime.messages import (
     PrefillTask,
     RemoteCharge,
 )
-from dualpath.runtime.node import NodeContext, ReadJob
+from dualpath.runtime.node_context import NodeContext, ReadJob
 from dualpath.runtime.sampling import sample
 from dualpath.sched.batching import BatchEntry, PrefillItem, pack_prefill_batch
 from dualpath.sched.cost import AttentionTimeEstimator
@@ -80,7 +80,7 @@ class _PeRequest:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.task.token_ids)
+        return len(self.task.turn.token_ids)
 
     @property
     def is_started(self) -> bool:
@@ -122,14 +122,14 @@ class PrefillEngine:
         bs = self.ctx.layout.block_size
         job = ReadJob(
             request_id=task.request_id,
-            num_slots=self.ctx.layout.num_blocks(len(task.token_ids)),
-            blocks=[(i, task.block_keys[i]) for i in range(task.num_pe_blocks)],
+            num_slots=self.ctx.layout.num_blocks(len(task.turn.token_ids)),
+            blocks=[(i, task.turn.block_keys[i]) for i in range(task.num_pe_blocks)],
             block_size=bs,
             on_done=lambda _job: self._wake(),
         )
         with self._cond:
             self._queue.append(_PeRequest(task, job))
-            self._num_tokens += len(task.token_ids)
+            self._num_tokens += len(task.turn.token_ids)
         self.ctx.add_read_q(task.num_pe_blocks * bs)
         self.ctx.read_queue.put(job)
 
@@ -206,7 +206,7 @@ class PrefillEngine:
             num_hit = req.read.num_valid_blocks
         else:
             num_hit = num_pe + de.num_valid_de_blocks
-        req.num_hit_blocks = min(num_hit, task.num_hit_blocks)
+        req.num_hit_blocks = min(num_hit, task.turn.num_hit_blocks)
         req.num_pe_hit_blocks = min(num_pe, req.num_hit_blocks)
         req.cached_tokens = req.num_hit_blocks * lay.block_size
         req.started_at = time.time()
@@ -255,7 +255,7 @@ class PrefillEngine:
             if not c.entry.is_chunk:
                 task = c.req.task
                 first_tokens[id(c)] = sample(self.model.finish_prefill(c.state), task.sampling,
-                                             task.token_ids, len(task.token_ids),
+                                             task.turn.token_ids, len(task.turn.token_ids),
                                              self.model.config.eos_token_ids)
         # The next chunk of a request gathers this chunk's KV from the slots: wait for it.
         for f in shipped:
@@ -314,7 +314,8 @@ class _Chunk:
         self.start = entry.cached_tokens
         self.end = entry.cached_tokens + entry.num_new_tokens
         self.is_first = self.start == req.num_hit_blocks * engine.ctx.layout.block_size
-        self.state = engine.model.begin_prefill(list(req.task.token_ids[: self.end]), self.start)
+        prompt = req.task.turn.token_ids
+        self.state = engine.model.begin_prefill(list(prompt[: self.end]), self.start)
         self.ship = self._blocks_to_ship()
 
     def _blocks_to_ship(self) -> list[int]:
