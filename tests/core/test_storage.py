@@ -62,7 +62,11 @@ def test_malformed_record_names_the_file_and_entry(tmp_path: Path) -> None:
     path = tmp_path / "storage.json"
     path.write_text(json.dumps({"entries": [{"hardware": "h800-deepseek",
                                              "read_efficiency": "fast"}]}))
-    with pytest.raises(StorageFileError, match=r"storage.json: entry 0"):
+    with pytest.raises(StorageFileError, match=r"storage.json: entry 0 .*read_efficiency='fast'"):
+        storage_read_model("h800-deepseek", path)
+    path.write_text(json.dumps({"entries": [{"hardware": "h800-deepseek",
+                                             "per_block_overhead_s": True}]}))
+    with pytest.raises(StorageFileError, match="per_block_overhead_s=True: must be a number"):
         storage_read_model("h800-deepseek", path)
     path.write_text("{not json")
     with pytest.raises(StorageFileError, match=r"storage.json:1: invalid JSON"):

@@ -25,5 +25,8 @@ def test_capacity_searches_in_processes_equal_serial(tmp_path: Path) -> None:
     tasks = [("ds27b_1p1d", m, 0, None) for m in ("basic", "dualpath")]
     ctx = Context(tmp_path, online_duration_s=20.0)
     serial = capacities(ctx, tasks)
-    ctx.runner.jobs = 2
-    assert repr(capacities(ctx, tasks)) == repr(serial)  # repr: NaN fields compare equal
+    parallel = Context(tmp_path, Runner(jobs=2), online_duration_s=20.0)
+    assert repr(capacities(parallel, tasks)) == repr(serial)  # repr: NaN fields compare equal
+    # Every run a worker made is the parent's too, as in a serial run.
+    assert set(parallel.runner.cache) == set(ctx.runner.cache)
+    assert len(parallel.runner.log) == len(ctx.runner.log)

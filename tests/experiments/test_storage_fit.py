@@ -69,9 +69,10 @@ def test_the_fit_recovers_a_planted_rate_and_reads_only_its_cells() -> None:
     for cell in (("ds27b_1p1d", 4096, "48k", "basic"), ("ds27b_1p1d", 4096, "64k", "dualpath"),
                  ("ds660b_2p4d", 4096, "64k", "basic")):
         assert _fitted(_with(base, *cell, factor=1.5)) == ref, cell
-    # A fitted cell (the most storage-bound of these small runs) does move it.
+    # A fitted cell (the most storage-bound of these small runs) does move it: a slower
+    # target there needs a slower storage read rate.
     agents, mal = FIT_CELLS[-1]
-    assert _fitted(_with(base, FIT_SETUP, agents, mal, FIT_SYSTEM, factor=1.5)) != ref
+    assert _fitted(_with(base, FIT_SETUP, agents, mal, FIT_SYSTEM, factor=1.5)) < 0.9 * ref
 
 
 def test_both_forms_read_the_fitted_block_at_the_same_rate() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +25,19 @@ def read_entries(path: Path, error: type[DualPathError]) -> list[dict[str, Any]]
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise error(f"{path}: top level must be an object with a list of objects 'entries'")
     return entries
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temp file in the same folder and a rename, so a
+    crash leaves the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

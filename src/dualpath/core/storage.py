@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dualpath.core.datafile import read_entries
+from dualpath.core.datafile import read_entries, write_text_atomic
 from dualpath.core.errors import DualPathError
 from dualpath.core.validate import non_negative, positive
 
@@ -87,11 +87,16 @@ def storage_read_model(hardware: str, path: Path | None = None) -> StorageReadMo
     for i, e in enumerate(_entries(p)):
         if e.get("hardware") != base:
             continue
+        values: dict[str, float] = {}
+        for name, default in (("read_efficiency", 1.0), ("per_block_overhead_s", 0.0)):
+            v = e.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise StorageFileError(f"{p}: entry {i} ({base}): {name}={v!r}: must be a "
+                                       "number")
+            values[name] = float(v)
         try:
-            return StorageReadModel(float(e.get("read_efficiency", 1.0)),
-                                    float(e.get("per_block_overhead_s", 0.0)),
-                                    str(e.get("source", "")))
-        except (TypeError, ValueError, DualPathError) as exc:
+            return StorageReadModel(**values, source=str(e.get("source", "")))
+        except DualPathError as exc:
             raise StorageFileError(f"{p}: entry {i} ({base}): {exc}") from None
     return NOMINAL
 
@@ -106,7 +111,7 @@ def write_storage_record(hardware: str, model: StorageReadModel, extra: dict[str
                     "per_block_overhead_s": float(f"{model.per_block_overhead_s:.4g}"),
                     "source": model.source, **extra})
     doc = {"about": ABOUT, "entries": sorted(entries, key=lambda e: str(e["hardware"]))}
-    p.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(p, json.dumps(doc, indent=2) + "\n")
     return p
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from dualpath.core.datafile import write_text_atomic
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.report import Context, Section, fmt, md_table, write_csv
@@ -165,7 +166,8 @@ def scaled_overrides(
 
 @dataclass(frozen=True)
 class CellFit:
-    """One calibration cell: paper Oracle JCT, simulated before and after the fit."""
+    """One fitted cell: the paper's JCT (Oracle for the cost model, Basic for the storage
+    rate), simulated before and after the fit."""
 
     agents: int
     mal: str
@@ -267,7 +269,7 @@ def write_fitted(cal: Calibration, note: str, path: Path | None = None) -> Path:
             break
     else:
         raise CalibrationError(f"{p}: no entry for model {cal.model!r} with hardware '*'")
-    p.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(p, json.dumps(doc, indent=2) + "\n")
     return p
 
 

@@ -204,20 +204,30 @@ CapacityTask = tuple[str, str, int, tuple[int, int] | None]
 """(setup, mode, bisection steps, P/D or None): one independent capacity search."""
 
 
-def _capacity_in_worker(ctx: Context, task: CapacityTask) -> Capacity:
-    return capacity(ctx, *task)
+def _capacity_in_worker(
+    ctx: Context, task: CapacityTask
+) -> tuple[Capacity, list[tuple[RunSpec, SimResult, float]]]:
+    cap = capacity(ctx, *task)
+    return cap, [(spec, ctx.runner.cache[spec], wall) for spec, wall in ctx.runner.log]
 
 
 def capacities(ctx: Context, tasks: Sequence[CapacityTask]) -> list[Capacity]:
     """`capacity` of each task, `ctx.runner.jobs` searches at a time (each search is adaptive
-    and serial in itself; searches are independent). Results equal those of a serial run."""
+    and serial in itself; searches are independent). Results equal those of a serial run,
+    and every run a worker made joins the parent's runner (cache, log, progress lines)."""
     if ctx.runner.jobs <= 1 or len(tasks) <= 1:
         return [capacity(ctx, *t) for t in tasks]
     mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with ProcessPoolExecutor(min(ctx.runner.jobs, len(tasks)), mp_context=mp) as pool:
-        # Workers get a fresh runner: the parent's holds a progress callback and its cache.
+        # Workers get a fresh runner: the parent's holds a progress callback and a cache
+        # too large to send.
         bare = replace(ctx, runner=Runner())
-        return list(pool.map(_capacity_in_worker, [bare] * len(tasks), tasks))
+        found = list(pool.map(_capacity_in_worker, [bare] * len(tasks), tasks))
+    for _, runs in found:
+        for spec, result, wall in runs:
+            if spec not in ctx.runner.cache:
+                ctx.runner.store(spec, result, wall)
+    return [cap for cap, _ in found]
 
 
 def fig10_11(ctx: Context) -> Section:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dualpath.core.datafile import write_text_atomic
 from dualpath.experiments.runner import Runner
 
 
@@ -85,9 +86,8 @@ def write_claims(out_dir: Path, s: Section) -> Path:
     """Store `s.claims` beside its section, so a later report (or one that includes this run
     as a separate full-size run) can list them."""
     path = out_dir / CLAIMS_FILE.format(key=s.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"scale": s.scale, "claims": [asdict(c) for c in s.claims]},
-                               indent=1) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps({"scale": s.scale, "claims": [asdict(c) for c in s.claims]},
+                                       indent=1) + "\n")
     return path
 
 

@@ -119,7 +119,7 @@ class Runner:
         if hit is not None:
             return hit
         result, wall = _simulate(spec)
-        self._store(spec, result, wall)
+        self.store(spec, result, wall)
         return result
 
     def prefetch(self, specs: Iterable[RunSpec]) -> None:
@@ -137,9 +137,10 @@ class Runner:
             futures = {pool.submit(_simulate, s): s for s in todo}
             for fut in as_completed(futures):
                 result, wall = fut.result()
-                self._store(futures[fut], result, wall)
+                self.store(futures[fut], result, wall)
 
-    def _store(self, spec: RunSpec, result: SimResult, wall: float) -> None:
+    def store(self, spec: RunSpec, result: SimResult, wall: float) -> None:
+        """Record a run made elsewhere (a worker process) as if made here."""
         self.cache[spec] = result
         self.log.append((spec, wall))
         if self.on_run is not None:

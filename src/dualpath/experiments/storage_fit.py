@@ -86,10 +86,15 @@ class StorageFit:
     agent_divisor: int = 1
 
 
+def block_bytes(setup_name: str) -> float:
+    """Bytes of one Full Block of a setup's model at the simulator's block size."""
+    model = setup(setup_name).cluster().model
+    return float(model.kv_bytes_per_token * SimParams().block_size_tokens)
+
+
 def fit_block_bytes() -> float:
     """Bytes of one Full Block of the fitted setup's model (the only size the fit sees)."""
-    model = setup(FIT_SETUP).cluster().model
-    return float(model.kv_bytes_per_token * SimParams().block_size_tokens)
+    return block_bytes(FIT_SETUP)
 
 
 def model_of(form: str, fraction: float, source: str = "") -> StorageReadModel:
@@ -130,9 +135,12 @@ def fit_storage(
     targets = [t / agent_divisor
                for t in fit_targets(points if points is not None else fig7(FIT_SETUP))]
 
+    def _agents(paper_agents: int) -> int:
+        return max(1, paper_agents // agent_divisor)
+
     def specs(model: StorageReadModel) -> list[RunSpec]:
         storage = (model.read_efficiency, model.per_block_overhead_s)
-        return [RunSpec(FIT_SETUP, FIT_SYSTEM, max(1, a // agent_divisor), mal, storage=storage)
+        return [RunSpec(FIT_SETUP, FIT_SYSTEM, _agents(a), mal, storage=storage)
                 for a, mal in FIT_CELLS]
 
     def jcts(model: StorageReadModel) -> list[float]:
@@ -147,7 +155,7 @@ def fit_storage(
     value = math.exp(x)
     before = jcts(StorageReadModel())
     after = jcts(model_of(form, value))
-    cells = tuple(CellFit(a // agent_divisor or 1, mal, t, b, f) for (a, mal), t, b, f
+    cells = tuple(CellFit(_agents(a), mal, t, b, f) for (a, mal), t, b, f
                   in zip(FIT_CELLS, targets, before, after, strict=True))
     rms_before, rms_after = rms_log(before), rms_log(after)
     note = (f"fitted by `dualpath reproduce calibrate-storage` ({form}) to paper Fig. 7 "
@@ -174,7 +182,8 @@ def calibrate_storage(runner: Runner, *, agent_divisor: int = 1) -> list[Storage
     first = fit_storage(runner, FORM, agent_divisor=agent_divisor)
     nominal = setup(FIT_SETUP).cluster().hardware.storage_nic_bytes_per_s
     fraction = first.model.read_bytes_per_s(nominal, fit_block_bytes()) / nominal
-    others = [replace(first, form=f, model=model_of(f, fraction, first.model.source))
+    note = first.model.source.replace(f"({FORM})", f"(as {FORM}, at the same rate)")
+    others = [replace(first, form=f, model=model_of(f, fraction, note))
               for f in STORAGE_FORMS if f != FORM]
     return [first, *others]
 

@@ -353,7 +353,10 @@ class ServingEngine:
         """A new cluster on the same store in place of a failed one (the requests in flight
         have failed); False when the window has no restart left or the server is stopping."""
         budget = self.restarts
-        if self._is_stopping.is_set() or not budget.try_take():
+        if self._is_stopping.is_set():
+            self._log(f"cluster failed: {exc}; not restarting (the server is stopping)")
+            return False
+        if not budget.try_take():
             self._log(f"cluster failed: {exc}; not restarting ({budget.max_restarts} restarts "
                       f"within {budget.window_s:g} s used)")
             return False
@@ -363,7 +366,6 @@ class ServingEngine:
                   f"{budget.max_restarts}) on the same store (at most {budget.max_restarts} "
                   f"per {budget.window_s:g} s)")
         self.cluster.close()
-        self._num_unpersisted_before += self.cluster.num_unpersisted_blocks
         if self._is_stopping.is_set():
             return False
         try:
@@ -376,6 +378,9 @@ class ServingEngine:
             return False
         with self._lock:
             if not self._is_stopping.is_set():
+                # The old cluster's count moves into the total as it is replaced: the
+                # counter never counts a cluster twice, nor goes down.
+                self._num_unpersisted_before += self.cluster.num_unpersisted_blocks
                 self.cluster, cluster = cluster, self.cluster
                 self._failure = None
                 self._is_restarting = False

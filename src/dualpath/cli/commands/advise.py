@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.duration < 0:
         raise AdviseArgsError(f"--duration={args.duration}: must be >= 0")
     if args.jobs < 0:
-        raise AdviseArgsError(f"--jobs={args.jobs}: must be >= 1 (0: the machine's cores)")
+        raise AdviseArgsError(f"--jobs={args.jobs}: must be >= 0 (0: the machine's cores)")
     ctx = Context(args.out, Runner(on_run=on_run, jobs=args.jobs or os.cpu_count() or 1),
                   args.quick, mals=(args.trace,), online_duration_s=args.duration)
     cands, section = advise(ctx, name, pds, modes, args.steps)

@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise ReproduceArgsError(
             f"--agents={args.agents}: expected integers like 512,1024") from None
     if args.jobs < 0:
-        raise ReproduceArgsError(f"--jobs={args.jobs}: must be >= 1 (0: the machine's cores)")
+        raise ReproduceArgsError(f"--jobs={args.jobs}: must be >= 0 (0: the machine's cores)")
     runner = _logger(args.quiet)
     runner.jobs = args.jobs or os.cpu_count() or 1
     ctx = Context(args.out, runner, args.quick, agents, _csv(args.mal),
