@@ -40,6 +40,7 @@ from pathlib import Path
 
 from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
+from dualpath.core.store import BlockStore
 from dualpath.runtime.buffers import BufferPool
 from dualpath.runtime.cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
@@ -48,7 +49,6 @@ from dualpath.runtime.node_context import NodeConfig, NodeContext, ReadJob
 from dualpath.runtime.replay import agents_from_lengths, replay
 from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.storage_io import reader_loop
-from dualpath.runtime.store import BlockStore
 from dualpath.runtime.traffic import NodeNics, TrafficManager
 from dualpath.runtime.transfer import is_nixl_available, make_transfer_engine
 

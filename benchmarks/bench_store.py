@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.core.hardware import hardware_preset
+from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.store import BlockStore
 
 GB = 10**9
 

@@ -98,7 +98,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path) -> None:
     out1, cached1, s1 = generate(p1, TURN1_TOKENS)
     p2 = turn2_prompt(tok, p1, out1)
     if phase == "connector":
-        from dualpath.runtime.store import BlockStore
+        from dualpath.core.store import BlockStore
 
         init = json.loads(events.read_text().splitlines()[0])
         bs, namespace = int(init["block_size"]), bytes.fromhex(init["namespace"])

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dualpath.core.blocks import block_keys
+from dualpath.core.store import HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
 from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
-from dualpath.runtime.store import HEADER_BYTES, BlockStore
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
           "model.layers.2.self_attn.attn"]

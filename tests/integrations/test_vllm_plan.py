@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.blocks import block_keys
+from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.plan import Planner, namespace_key
-from dualpath.runtime.store import BlockStore
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)

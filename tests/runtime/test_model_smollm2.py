@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dualpath.core.blocks import block_keys
+from dualpath.core.store import BlockStore
 from dualpath.runtime.kv_cache import KVCache
 from dualpath.runtime.model import Model
 from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.store import BlockStore
 from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
 from dualpath.runtime.weights import (
     CheckpointError,

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dualpath.core import store as store_module
 from dualpath.core.blocks import block_keys
-from dualpath.runtime import store as store_module
-from dualpath.runtime.store import HEADER_BYTES, BlockStore, StoreError
+from dualpath.core.store import HEADER_BYTES, BlockStore, StoreError
 
 BLOCK_BYTES = 4096
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import DualPathError, SpecError
+from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     Cancel,
@@ -54,7 +55,6 @@ from dualpath.runtime.node_context import NodeConfig
 from dualpath.runtime.run_config import RunConfig, scheduler_params
 from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
-from dualpath.runtime.store import BlockStore
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.types import WaitingRequest
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from dualpath.core.store import BlockStore
 from dualpath.runtime.node_context import NodeContext
-from dualpath.runtime.store import BlockStore
 from dualpath.runtime.traffic import sleep_until
 
 

@@ -35,9 +35,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
 from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
-from dualpath.runtime.store import BlockStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

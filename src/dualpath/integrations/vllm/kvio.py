@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
-from dualpath.runtime.store import BlockStore
 
 
 class LayoutError(ValueError):

@@ -1,0 +1,154 @@
+"""What a `DualPathConnector` publishes beside its store, for the router and other readers.
+
+Every connector writes `root/vllm/<namespace hex>.json` when it opens the store: the key
+namespace it chains block keys from, the block size and the Full Block bytes, and the model it
+serves. The router (`dualpath route`) reads it to count a prompt's stored prefix exactly as the
+connectors will (same keys, same store), without importing vllm. The block store ignores the
+folder (its blocks are `root/<kk>/<key>.blk`).
+
+Also here: `kv_transfer_params`, the fields the router and the connectors exchange through
+vLLM's per-request `kv_transfer_params` (one dict under the key "dualpath").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dualpath.core.blocks import block_key
+from dualpath.core.datafile import write_text_atomic
+from dualpath.core.errors import SpecError
+
+MANIFEST_DIR = "vllm"
+PARAMS_KEY = "dualpath"
+"""The key of DualPath's fields inside a request's `kv_transfer_params`."""
+
+
+@dataclass(frozen=True)
+class StoreManifest:
+    """One connector's key namespace and block format in a store."""
+
+    namespace: str
+    """Hex of the parent key of every block chain (`plan.namespace_key`)."""
+    model: str
+    block_size: int
+    full_block_bytes: int
+
+    @property
+    def namespace_bytes(self) -> bytes:
+        return bytes.fromhex(self.namespace)
+
+    def write(self, store_root: Path | str) -> Path:
+        """Write (atomically) `root/vllm/<namespace>.json`; the same content twice is a no-op."""
+        folder = Path(store_root) / MANIFEST_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{self.namespace}.json"
+        text = json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            write_text_atomic(path, text)
+        return path
+
+
+def read_manifests(store_root: Path | str) -> list[StoreManifest]:
+    """Every manifest in the store (sorted by file name); a malformed one raises, naming it."""
+    out = []
+    for path in sorted((Path(store_root) / MANIFEST_DIR).glob("*.json")):
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            out.append(StoreManifest(namespace=str(raw["namespace"]), model=str(raw["model"]),
+                                     block_size=int(raw["block_size"]),
+                                     full_block_bytes=int(raw["full_block_bytes"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SpecError(str(path), "manifest", type(e).__name__, f"unreadable: {e}") from e
+    return out
+
+
+def find_manifest(store_root: Path | str, model: str | None = None) -> StoreManifest:
+    """The manifest of `model` (or the only one); a clear error when none or several match."""
+    found = read_manifests(store_root)
+    if model is not None:
+        named = [m for m in found if m.model == model]
+        found = named or found
+    if len(found) != 1:
+        what = "no vLLM connector has opened it yet" if not found else (
+            f"{len(found)} models use it: " + ", ".join(sorted(m.model for m in found)))
+        raise SpecError("store", str(store_root), model or "", f"no single manifest: {what}")
+    return found[0]
+
+
+def prefix_keys(namespace: bytes, tokens: Sequence[int], block_size: int,
+                num_blocks: int) -> list[bytes]:
+    """The block keys of the first `num_blocks` full blocks of `tokens`."""
+    keys: list[bytes] = []
+    parent = namespace
+    for i in range(num_blocks):
+        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys
+
+
+def stored_prefix_blocks(keys: Sequence[bytes], is_stored: Callable[[bytes], bool],
+                         start: int = 0) -> int:
+    """How many consecutive keys from `start` on are stored."""
+    n = 0
+    while start + n < len(keys) and is_stored(keys[start + n]):
+        n += 1
+    return n
+
+
+def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full blocks a prompt may load: at least one prompt token is always computed."""
+    return max(num_prompt_tokens - 1, 0) // block_size
+
+
+@dataclass(frozen=True)
+class RouteParams:
+    """The router's per-request orders to the prefill instance (and, returned by it, to the
+    decode instance), carried as `kv_transfer_params["dualpath"]`.
+
+    Blocks `[0, pe_blocks)` of the prompt are read from storage by the prefill instance (PE
+    read path), blocks `[pe_blocks, hit_blocks)` by the decode instance into its host buffer,
+    which the prefill instance pulls over NIXL (DE read path). After the prefill, the prefill
+    instance pushes every block the decode instance lacks (the PE-read and the computed ones,
+    the partial tail included) into the decode instance's buffer under `xfer`.
+    """
+
+    xfer: str
+    """A unique id of this request's transfers (the router's)."""
+    de: str
+    """host:port of the decode instance's side channel."""
+    hit_blocks: int
+    pe_blocks: int
+    tokens: int = 0
+    """Set by the prefill instance in its reply: prompt tokens whose KV it pushed."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pe_blocks <= self.hit_blocks:
+            raise SpecError("kv_transfer_params.dualpath", "pe_blocks", self.pe_blocks,
+                            f"must be in [0, hit_blocks={self.hit_blocks}]")
+        if not self.xfer or ":" not in self.de:
+            raise SpecError("kv_transfer_params.dualpath", "de", self.de, "must be host:port")
+
+    @property
+    def de_blocks(self) -> int:
+        return self.hit_blocks - self.pe_blocks
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's `kv_transfer_params`."""
+        return {PARAMS_KEY: asdict(self)}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> RouteParams | None:
+        """The fields of a request's `kv_transfer_params`, or None when it has none of ours."""
+        if not params or PARAMS_KEY not in params:
+            return None
+        raw = params[PARAMS_KEY]
+        try:
+            return cls(xfer=str(raw["xfer"]), de=str(raw["de"]),
+                       hit_blocks=int(raw["hit_blocks"]), pe_blocks=int(raw["pe_blocks"]),
+                       tokens=int(raw.get("tokens", 0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError("kv_transfer_params", PARAMS_KEY, raw, f"malformed: {e}") from e
