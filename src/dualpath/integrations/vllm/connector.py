@@ -35,9 +35,14 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
+from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.integrations.vllm.nixl_link import NixlLink
 from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
+from dualpath.integrations.vllm.remote import DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.side_channel import DecodeSideChannel, StagingPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+PD_ROLES = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
+"""vLLM's kv_role -> the connector's role in DualPath's P/D flow (`plan.Planner.role`)."""
 
 FORMAT_TAG = "dualpath-vllm-v1"
 """Part of every key's namespace: bump when the payload layout changes."""
@@ -102,20 +110,70 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layout = layout
         self._store = BlockStore(store_path, len(layout.layer_names) * layout.page_bytes,
                                  is_durable=bool(extra.get_from_extra_config("durable", True)))
+        self._pd_role = PD_ROLES.get(str(extra.kv_role), "both")
         self._planner: Planner | None = None
         self._worker: KVWorker | None = None
+        self._prefill: PrefillRemote | None = None
+        self._decode: DecodeRemote | None = None
+        self._side_channel: DecodeSideChannel | None = None
+        self._link: NixlLink | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = Planner(layout.block_size, layout.namespace, self._store.contains)
+            self._planner = Planner(layout.block_size, layout.namespace, self._store.contains,
+                                    role=self._pd_role)
+            StoreManifest(namespace=layout.namespace.hex(),
+                          model=str(vllm_config.model_config.model),
+                          block_size=layout.block_size,
+                          full_block_bytes=self._store.full_block_bytes).write(store_path)
         else:
             self._worker = KVWorker(self._store, layout.layer_names, layout.page_bytes,
                                     event_log=extra.get_from_extra_config("event_log", None))
-            self._worker.log_event({"event": "init", "namespace": layout.namespace.hex(),
+            if self._pd_role == "decode":
+                self._start_side_channel(extra)
+            self._worker.log_event({"event": "init", "role": self._pd_role,
+                                    "namespace": layout.namespace.hex(),
                                     "block_size": layout.block_size,
                                     "full_block_bytes": self._store.full_block_bytes,
-                                    "layers": len(layout.layer_names)})
-        logger.info("DualPathConnector (%s): store %s, %d layers x %d B pages, block %d tokens",
-                    role.name, store_path, len(layout.layer_names), layout.page_bytes,
-                    layout.block_size)
+                                    "layers": len(layout.layer_names),
+                                    "side_channel": self.side_channel_address})
+        logger.info("DualPathConnector (%s, %s): store %s, %d layers x %d B pages, block %d "
+                    "tokens", role.name, self._pd_role, store_path, len(layout.layer_names),
+                    layout.page_bytes, layout.block_size)
+
+    @property
+    def side_channel_address(self) -> str | None:
+        """Decode: where prefill workers reach this worker's staging buffer."""
+        return self._side_channel.address if self._side_channel is not None else None
+
+    def _start_side_channel(self, extra: Any) -> None:
+        assert self._worker is not None
+        address = extra.get_from_extra_config("side_channel", None)
+        if not address:
+            raise ValueError("DualPathConnector with kv_role kv_consumer (a decode instance) "
+                             "needs kv_connector_extra_config.side_channel, host:port")
+        pool = StagingPool(int(extra.get_from_extra_config("staging_blocks", 64)),
+                           self._store.full_block_bytes)
+        self._link = NixlLink("decode")
+        self._link.register([(pool.base, pool.num_slots * pool.full_block_bytes)])
+        self._side_channel = DecodeSideChannel(
+            str(address), pool, self._store, self._link.metadata(), self._link.connect,
+            {"full_block_bytes": self._store.full_block_bytes,
+             "namespace": self._layout.namespace.hex(), "num_slots": pool.num_slots})
+        self._decode = DecodeRemote(self._worker, pool)
+        logger.info("DualPathConnector: side channel on %s, %d staging blocks (%d MiB)",
+                    self._side_channel.address, pool.num_slots,
+                    pool.num_slots * pool.full_block_bytes >> 20)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None and self._pd_role == "prefill":
+            self._prefill = PrefillRemote(self._worker, kv_caches)
+
+    def shutdown(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()
+        if self._side_channel is not None:
+            self._side_channel.close()
+        if self._link is not None:
+            self._link.close()
 
     # -- worker side -----------------------------------------------------------------------
     def _bound_worker(self) -> KVWorker | None:
@@ -127,31 +185,52 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().bind_connector_metadata(connector_metadata)
         assert self._worker is not None
         assert isinstance(connector_metadata, DualPathConnectorMetadata)
-        self._worker.bind(connector_metadata.plan)
+        plan = connector_metadata.plan
+        self._worker.bind(plan)
+        if self._prefill is not None:
+            self._prefill.bind(plan)
+        if self._decode is not None:
+            self._decode.bind(plan)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Synchronous: vLLM calls this before the forward when a step has loads. The reads of
         # whole Full Blocks finish here; the per-layer copies run in wait_for_layer_load.
+        # The DE-side pulls are posted here too, one NIXL READ per layer; each layer waits
+        # for its own in wait_for_layer_load.
         worker = self._bound_worker()
         if worker is not None:
             worker.load()
+            if self._prefill is not None:
+                self._prefill.load()
+            if self._decode is not None:
+                self._decode.load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         worker = self._bound_worker()
         if worker is not None:
             _, _, kv_cache, _ = get_attention_context(layer_name)
+            if self._prefill is not None:
+                self._prefill.inject(layer_name)
             worker.inject(layer_name, kv_cache)
+            if self._decode is not None:
+                self._decode.inject(layer_name, kv_cache)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         worker = self._bound_worker()
         if worker is not None:
             worker.capture(layer_name, kv_layer)
+            if self._prefill is not None:
+                self._prefill.capture(layer_name)
 
     def wait_for_save(self) -> None:
         worker = self._bound_worker()
         if worker is not None:
+            if self._prefill is not None:
+                self._prefill.flush()
             worker.flush()
+            if self._decode is not None:
+                self._decode.flush()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -161,14 +240,24 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._planner is not None, "scheduler-side call on a worker-side connector"
         return self._planner
 
+    def _add(self, request: Request) -> None:
+        try:
+            route = RouteParams.from_params(request.kv_transfer_params)
+        except SpecError as e:
+            logger.warning("DualPathConnector: request %s: %s; served without DualPath's "
+                           "P/D transfer", request.request_id, e)
+            route = None
+        self._sched().add_request(request.request_id, request.all_token_ids, route,
+                                  num_prompt_tokens=request.num_prompt_tokens)
+
     def on_new_request(self, request: Request) -> None:
-        self._sched().add_request(request.request_id, request.all_token_ids)
+        self._add(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         planner = self._sched()
         if not planner.has_request(request.request_id):  # added before the connector was
-            planner.add_request(request.request_id, request.all_token_ids)
+            self._add(request)
         hit = planner.match(request.request_id, num_computed_tokens)
         if hit:
             logger.info("DualPathConnector: request %s hits %d stored tokens after %d local",
@@ -196,6 +285,10 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are synchronous within the step that fills a block: nothing is pending.
-        self._sched().finish(request.request_id)
-        return False, None
+        # Saves and pushes are synchronous within the step that fills a block: nothing is
+        # pending, the blocks may be freed. A prefill instance hands the router the params
+        # that tell the decode instance where its KV is.
+        planner = self._sched()
+        params = planner.finished_params(request.request_id)
+        planner.finish(request.request_id)
+        return False, params

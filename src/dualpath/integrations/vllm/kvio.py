@@ -49,6 +49,14 @@ class WorkerCounters:
     skipped_saves: int = 0
     """Blocks planned for saving that were stored already (or belonged to a failed load)."""
     failed_saves: int = 0
+    pulled_blocks: int = 0
+    """Prefill: DE-side hit blocks pulled from a decode instance's staging buffer."""
+    pushed_blocks: int = 0
+    """Prefill: blocks written into a decode instance's staging buffer after prefill."""
+    xfer_loaded_blocks: int = 0
+    """Decode: blocks loaded from this instance's staging buffer."""
+    remote_errors: int = 0
+    """Side-channel or NIXL failures (each costs a recompute, never a wrong token)."""
 
 
 @dataclass
@@ -94,9 +102,7 @@ class KVWorker:
             for block_id, key in zip(t.block_ids, t.keys, strict=True):
                 buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
                 if not self.store.get_into(key, buf.numpy()):
-                    self._failed_reqs.add(t.req_id)
-                    self._error_block_ids.add(block_id)
-                    self.counters.load_errors += 1
+                    self.report_load_error(t.req_id, block_id)
                     break  # vLLM recomputes from the first failed block on
                 self._loaded.append(_Staged(block_id, buf))
                 n_ok += 1
@@ -138,6 +144,17 @@ class KVWorker:
             self.log_event({"event": "save", "blocks": len(self._saves)})
         self._saves = None
         self._loaded = []
+
+    def report_load_error(self, req_id: str, block_id: int) -> None:
+        """A block of `req_id` that did not load: vLLM recomputes from it on, and nothing of
+        the request is saved in this step."""
+        self._failed_reqs.add(req_id)
+        self._error_block_ids.add(block_id)
+        self.counters.load_errors += 1
+
+    def has_failed(self, req_id: str) -> bool:
+        """A load of `req_id` failed in this step."""
+        return req_id in self._failed_reqs
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids that failed to load since the last call."""

@@ -9,6 +9,19 @@ block of `block_size` tokens), chained from a `namespace` that names the model a
 format, so two models never share a key. Only full blocks have keys; a partial tail is never
 stored or loaded.
 
+Roles (`Planner.role`): `both` (one instance: the store is the only source and sink), `prefill`
+(vLLM `kv_producer`) and `decode` (`kv_consumer`). A request the router sent (its
+`kv_transfer_params` hold `RouteParams`) runs DualPath's P/D flow:
+
+- prefill: blocks `[0, pe_blocks)` load from the store (PE read path), blocks
+  `[pe_blocks, hit_blocks)` are pulled from the decode instance's staging buffer (DE read path,
+  `remote_loads`); when the prompt's prefill completes, the blocks the decode instance lacks are
+  pushed to it (`pushes`); nothing is saved to the store (the decode instance persists).
+- decode: every prompt token but the last loads from the staging buffer under the request's
+  `xfer` (`xfer_loads`); the last is recomputed (vLLM samples from it); full blocks are saved.
+
+A request without `RouteParams` runs as on one instance (store hits, saves).
+
 Hits: `match` reports the stored blocks that follow the locally computed ones (vLLM's own
 prefix cache), capped so that at least one prompt token is computed (vLLM needs a token to
 sample from). Saves: every block that this step completes (its last token's KV is computed
@@ -25,6 +38,9 @@ from dataclasses import dataclass, field
 
 from dualpath.core.blocks import KEY_BYTES, block_key
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.manifest import RouteParams
+
+ROLES = ("both", "prefill", "decode")
 
 
 def namespace_key(*parts: object) -> bytes:
@@ -54,16 +70,55 @@ class BlockTransfer:
                              f"{len(self.keys)} keys")
 
 
+@dataclass(frozen=True)
+class RemoteLoad:
+    """Prefill: DE-side hit blocks, read by the decode instance, pulled from its buffer."""
+
+    xfer: str
+    de: str
+    blocks: BlockTransfer
+
+
+@dataclass(frozen=True)
+class Push:
+    """Prefill: the blocks the decode instance lacks, written into its buffer after prefill."""
+
+    xfer: str
+    de: str
+    req_id: str
+    block_indices: tuple[int, ...]
+    """The prompt's blocks to push (an index into `block_ids`)."""
+    block_ids: tuple[int, ...]
+    """vLLM block ids of all the prompt's blocks."""
+    hit_blocks: int
+    """Blocks `[pe_blocks, hit_blocks)` are the DE side's own; the worker adds those after a
+    DE-side load failure (the decode instance then lacks them too)."""
+
+
+@dataclass(frozen=True)
+class XferLoad:
+    """Decode: blocks `first_block ..` of the request from the staging buffer under `xfer`."""
+
+    xfer: str
+    req_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class StepPlan:
     """What the worker does in one engine step: loads before the layers run, saves after."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    remote_loads: list[RemoteLoad] = field(default_factory=list)
+    pushes: list[Push] = field(default_factory=list)
+    xfer_loads: list[XferLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not (self.loads or self.saves or self.remote_loads or self.pushes
+                    or self.xfer_loads)
 
 
 @dataclass
@@ -75,21 +130,29 @@ class _Request:
     """Keys of the first `len(keys)` blocks (computed as the request grows)."""
     num_saved: int = 0
     """Blocks below this index were planned for saving (or found stored)."""
+    num_prompt_tokens: int = 0
+    route: RouteParams | None = None
+    pushed: bool = False
 
 
 @dataclass(frozen=True)
 class _Match:
     num_computed_tokens: int
     num_hit_tokens: int
+    is_xfer: bool = False
+    """Decode: the hit is in the staging buffer under the request's `xfer`."""
 
 
 class Planner:
     """Scheduler-side state of the connector, one per vLLM scheduler."""
 
     def __init__(self, block_size: int, namespace: bytes,
-                 is_stored: Callable[[bytes], bool]) -> None:
+                 is_stored: Callable[[bytes], bool], role: str = "both") -> None:
         if block_size < 1:
             raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
+        if role not in ROLES:
+            raise SpecError("vllm connector", "role", role, f"must be one of {', '.join(ROLES)}")
+        self.role = role
         self.block_size = block_size
         self.namespace = namespace
         self._is_stored = is_stored
@@ -99,9 +162,24 @@ class Planner:
         self._plan = StepPlan()
 
     # -- request lifecycle ------------------------------------------------------------------
-    def add_request(self, req_id: str, tokens: Sequence[int]) -> None:
-        """A new request; `tokens` is a live view that grows with its outputs."""
-        self._requests[req_id] = _Request(tokens=tokens)
+    def add_request(self, req_id: str, tokens: Sequence[int],
+                    route: RouteParams | None = None,
+                    num_prompt_tokens: int | None = None) -> None:
+        """A new request; `tokens` is a live view that grows with its outputs. `route`: the
+        router's orders (ignored on a single instance)."""
+        self._requests[req_id] = _Request(
+            tokens=tokens, route=route if self.role != "both" else None,
+            num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
+
+    def finished_params(self, req_id: str) -> dict[str, object] | None:
+        """Prefill: the `kv_transfer_params` the router hands to the decode instance (None
+        when the request's blocks were not pushed, e.g. it was aborted)."""
+        req = self._requests.get(req_id)
+        if self.role != "prefill" or req is None or req.route is None or not req.pushed:
+            return None
+        r = req.route
+        return RouteParams(xfer=r.xfer, de=r.de, hit_blocks=r.hit_blocks, pe_blocks=r.pe_blocks,
+                           tokens=req.num_prompt_tokens).to_params()
 
     def finish(self, req_id: str) -> None:
         """Forget a finished request (its blocks were saved in the steps that filled them)."""
@@ -122,10 +200,20 @@ class Planner:
         bs = self.block_size
         limit = max(len(req.tokens) - 1, 0) // bs  # leave one token to compute
         local = num_computed_tokens // bs
-        keys = self._keys(req, limit)
-        n = 0
-        while local + n < limit and self._is_stored(keys[local + n]):
-            n += 1
+        route = req.route
+        if self.role == "decode" and route is not None and route.tokens == len(req.tokens):
+            # Everything but the last prompt token is in the staging buffer under `xfer`.
+            hit = max(route.tokens - 1 - num_computed_tokens, 0)
+            self._matches[req_id] = _Match(num_computed_tokens, hit, is_xfer=True)
+            return hit
+        if self.role == "prefill" and route is not None:
+            # The router counted the hits; a block that vanished since is a load error.
+            n = max(min(route.hit_blocks, limit) - local, 0)
+        else:
+            keys = self._keys(req, limit)
+            n = 0
+            while local + n < limit and self._is_stored(keys[local + n]):
+                n += 1
         hit = max((local + n) * bs - num_computed_tokens, 0)
         self._matches[req_id] = _Match(num_computed_tokens, hit)
         return hit
@@ -168,14 +256,43 @@ class Planner:
         bs = self.block_size
         # Computed tokens moved back (a failed load recomputed, a preemption): save again.
         req.num_saved = min(req.num_saved, num_computed_tokens // bs)
+        route = req.route
         load = self._pending_loads.pop(req_id, None)
         if load is not None:
             first = load.num_computed_tokens // bs
-            n = load.num_hit_tokens // bs
-            self._plan.loads.append(self._transfer(req_id, req, first, first + n))
+            if load.is_xfer:
+                assert route is not None
+                stop = -(-(load.num_computed_tokens + load.num_hit_tokens) // bs)
+                self._plan.xfer_loads.append(XferLoad(
+                    route.xfer, req_id, first, tuple(req.block_ids[first:stop])))
+            else:
+                stop = first + load.num_hit_tokens // bs
+                split = stop
+                if self.role == "prefill" and route is not None:
+                    split = min(max(route.pe_blocks, first), stop)
+                if split > first:
+                    self._plan.loads.append(self._transfer(req_id, req, first, split))
+                if stop > split:
+                    assert route is not None
+                    self._plan.remote_loads.append(RemoteLoad(
+                        route.xfer, route.de, self._transfer(req_id, req, split, stop)))
+        end = num_computed_tokens + num_scheduled_tokens
+        if self.role == "prefill" and route is not None:
+            # No saves (the decode instance persists); once the prompt is computed, push
+            # (again, after vLLM moved the computed tokens back to recompute a failed load).
+            if req.pushed and num_computed_tokens < req.num_prompt_tokens:
+                req.pushed = False
+            if not req.pushed and end >= req.num_prompt_tokens:
+                total = -(-req.num_prompt_tokens // bs)
+                own = range(min(route.pe_blocks, total), min(route.hit_blocks, total))
+                indices = tuple(i for i in range(total) if i not in own)
+                self._plan.pushes.append(Push(
+                    route.xfer, route.de, req_id, indices, tuple(req.block_ids[:total]),
+                    min(route.hit_blocks, total)))
+                req.pushed = True
+            return
         # Blocks whose every token's KV exists after this step (and whose tokens are known).
-        done = min((num_computed_tokens + num_scheduled_tokens) // bs, len(req.tokens) // bs,
-                   len(req.block_ids))
+        done = min(end // bs, len(req.tokens) // bs, len(req.block_ids))
         if done > req.num_saved:
             self._plan.saves.append(self._transfer(req_id, req, req.num_saved, done))
             req.num_saved = done

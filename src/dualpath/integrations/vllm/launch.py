@@ -1,0 +1,202 @@
+"""Start and stop a P/D cluster of vLLM OpenAI servers with `DualPathConnector` on one machine.
+
+`VllmCluster(spec).start()` launches `num_prefill` prefill instances (`kv_role` kv_producer)
+and `num_decode` decode instances (kv_consumer, each with a side channel for its staging
+buffer), every one a `python -m vllm.entrypoints.openai.api_server` process of the vLLM venv
+on 127.0.0.1, all on one shared store folder; it waits for each `/health` and `stop()` ends
+them (SIGTERM to each process group, then SIGKILL after a grace period). Nothing here imports
+vllm: the servers run in `spec.python`, which must have it (`make vllm-setup`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
+
+
+class LaunchError(RuntimeError):
+    """An instance that exited or did not become healthy in time (its log tail attached)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    """An HF-style model folder (vLLM 0.32 on CPU loads no GGUF: the converted SmolLM2)."""
+    store: Path
+    python: str
+    """The interpreter of the venv that has vllm."""
+    num_prefill: int = 1
+    num_decode: int = 1
+    log_dir: Path | None = None
+    """One `<name>.log` per instance (default: the store's parent folder)."""
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    staging_blocks: int = 32
+    kv_cache_gib: int = 1
+    durable: bool = False
+    event_logs: bool = True
+    startup_timeout_s: float = 600.0
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class Instance:
+    name: str
+    role: str
+    """"prefill" or "decode"."""
+    port: int
+    side_channel: str | None
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    event_log: Path | None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def events(self) -> list[dict[str, Any]]:
+        """The connector's event log (worker side)."""
+        if self.event_log is None or not self.event_log.exists():
+            return []
+        return [json.loads(x) for x in self.event_log.read_text().splitlines() if x.strip()]
+
+
+def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
+                       event_log: Path | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
+    if event_log is not None:
+        extra["event_log"] = str(event_log)
+    if role == "decode":
+        extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
+    return {"kv_connector": "DualPathConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+
+
+def server_command(spec: ClusterSpec, port: int, config: dict[str, Any]) -> list[str]:
+    return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", spec.model, "--tokenizer", spec.model, "--dtype", "float32",
+            "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0",
+            "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--kv-transfer-config", json.dumps(config), *spec.extra_args]
+
+
+class VllmCluster:
+    """P prefill and D decode vLLM servers on one store (a context manager)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        if spec.num_prefill < 1 or spec.num_decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        self.spec = spec
+        self.instances: list[Instance] = []
+
+    @property
+    def prefill(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == "prefill"]
+
+    @property
+    def decode(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == "decode"]
+
+    def start(self) -> VllmCluster:
+        spec = self.spec
+        spec.store.mkdir(parents=True, exist_ok=True)
+        log_dir = spec.log_dir or spec.store.parent
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        counts = {"prefill": 0, "decode": 0}
+        try:
+            for role in roles:
+                name = f"{role}{counts[role]}"
+                counts[role] += 1
+                port = free_port()
+                side = f"127.0.0.1:{free_port()}" if role == "decode" else None
+                events = log_dir / f"{name}.events.jsonl" if spec.event_logs else None
+                log_path = log_dir / f"{name}.log"
+                log = log_path.open("wb")
+                cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events))
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+                self.instances.append(Instance(name, role, port, side, proc, log_path, events,
+                                               log))
+            for inst in self.instances:
+                self._wait_healthy(inst)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, inst: Instance) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if inst.process.poll() is not None:
+                raise LaunchError(f"{inst.name} exited with {inst.process.returncode}:\n"
+                                  f"{inst.log_tail()}")
+            try:
+                with urllib.request.urlopen(inst.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise LaunchError(f"{inst.name} not healthy after {self.spec.startup_timeout_s:.0f} s:"
+                          f"\n{inst.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for inst in self.instances:
+            if inst.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(inst.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for inst in self.instances:
+            try:
+                inst.process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(inst.process.pid, signal.SIGKILL)
+                inst.process.wait()
+            if inst._log is not None:
+                inst._log.close()
+                inst._log = None
+
+    def __enter__(self) -> VllmCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> Iterator[str]:
+        for inst in self.instances:
+            side = f", side channel {inst.side_channel}" if inst.side_channel else ""
+            yield f"{inst.name:9s} {inst.url}{side}  (log {inst.log_path})"

@@ -1,0 +1,115 @@
+"""One NIXL agent (UCX backend) of a vLLM worker: its registered memory, its peers, and batches
+of one-sided READs and WRITEs that are posted now and waited for later.
+
+A batch is a list of `(local_address, remote_address, num_bytes)` inside memory the two agents
+registered (the prefill worker: every layer's paged KV tensor; the decode worker: its staging
+buffer). `post` starts it and returns a `Pending`; `Pending.wait` polls it to the end (the
+prefill side waits for layer `l`'s pulls just before layer `l` runs: the layerwise half of the
+DE read path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Desc = tuple[int, int, int]
+"""(local address, remote address, bytes)."""
+
+
+class LinkError(RuntimeError):
+    """A NIXL transfer that failed or a peer that is not connected."""
+
+
+@dataclass
+class Pending:
+    """A posted batch; `wait` returns its bytes or raises `LinkError`."""
+
+    link: NixlLink
+    handle: Any
+    num_bytes: int
+    peer: str
+    op: str
+    done: bool = False
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        if self.done:
+            return self.num_bytes
+        agent = self.link.agent
+        deadline = time.monotonic() + timeout_s
+        try:
+            state = agent.check_xfer_state(self.handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise LinkError(f"NIXL {self.op} with {self.peer}: no completion in "
+                                    f"{timeout_s:.0f} s")
+                time.sleep(0)
+                state = agent.check_xfer_state(self.handle)
+            if state != "DONE":
+                raise LinkError(f"NIXL {self.op} with {self.peer} failed ({state})")
+        finally:
+            self.done = True
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(self.handle)
+        return self.num_bytes
+
+
+class NixlLink:
+    """A NIXL agent over DRAM regions registered once."""
+
+    def __init__(self, role: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = f"dualpath-{role}-{uuid.uuid4().hex[:12]}"
+        self.agent: Any = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self._regions: list[tuple[int, int]] = []
+        self._peers: dict[str, str] = {}
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Register `(address, bytes)` regions of this process's DRAM."""
+        self.agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+        self._regions.extend(regions)
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def connect(self, metadata: bytes) -> str:
+        """Add a peer from its metadata; returns its agent name (idempotent)."""
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers[name] = name
+        return name
+
+    def _check_local(self, descs: Sequence[Desc]) -> None:
+        for lo, _, n in descs:
+            if not any(a <= lo and lo + n <= a + size for a, size in self._regions):
+                raise LinkError(f"local bytes [{lo:#x}, +{n}) are outside registered memory")
+
+    def post(self, op: str, peer: str, descs: Sequence[Desc]) -> Pending | None:
+        """Start a READ (peer -> local) or WRITE (local -> peer) batch; None when empty."""
+        if not descs:
+            return None
+        if peer not in self._peers:
+            raise LinkError(f"NIXL peer {peer} is not connected")
+        self._check_local(descs)
+        local = self.agent.get_xfer_descs([(lo, n, 0) for lo, _, n in descs], "DRAM")
+        remote = self.agent.get_xfer_descs([(ro, n, 0) for _, ro, n in descs], "DRAM")
+        handle = self.agent.initialize_xfer(op, local, remote, peer)
+        state = self.agent.transfer(handle)
+        pending = Pending(self, handle, sum(n for _, _, n in descs), peer, op)
+        if state not in ("PROC", "DONE"):
+            pending.done = True
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+            raise LinkError(f"NIXL {op} with {peer} could not start ({state})")
+        return pending
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(name)
+        self._peers.clear()

@@ -1,0 +1,275 @@
+"""The worker side of DualPath's P/D flow in vLLM: what moves between a prefill and a decode
+instance (the store side is `kvio.KVWorker`, whose counters, event log and load errors these
+share).
+
+`PrefillRemote` (prefill worker, vLLM `kv_producer`), per step:
+1. `load()` before the forward: for each `RemoteLoad`, the decode instance stages the request's
+   DE-side hit blocks from storage into its buffer (side channel `stage`), then one NIXL READ
+   per layer is posted, from the staged slots straight into this worker's paged KV pages.
+2. `inject(layer)` just before layer `l` runs: waits for layer `l`'s READs only (the layerwise
+   pull; the later layers' bytes are still moving while this one computes).
+3. `capture(layer)` just after layer `l`'s attention: for each `Push` of the step (the prompt's
+   prefill completes in it), one NIXL WRITE of layer `l`'s pages of every block the decode
+   instance lacks into slots it allocated (side channel `alloc`), posted at once.
+4. `flush()` after the forward: waits for the WRITEs and commits each transfer.
+
+`DecodeRemote` (decode worker, vLLM `kv_consumer`): `load()` looks a request's blocks up in the
+staging buffer (staged or committed, under the request's `xfer`), `inject(layer)` copies layer
+`l`'s pages into the paged KV, `flush()` frees the request's slots.
+
+Failures never cost a wrong token: a block that did not arrive (stage read error, side channel
+down, NIXL error, expired slot) is a load error of the request from that block on, and vLLM
+recomputes it (`kv_load_failure_policy="recompute"`); a push that fails leaves the decode
+instance without the blocks, which it then recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
+from dualpath.integrations.vllm.nixl_link import LinkError, NixlLink, Pending
+from dualpath.integrations.vllm.plan import Push, StepPlan
+from dualpath.integrations.vllm.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    StagingPool,
+)
+
+
+def paged_kv_bases(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
+                   page_bytes: int) -> list[int]:
+    """The address of block 0 of each layer's paged KV; a layout with pages that are not
+    contiguous `page_bytes` runs is refused (NIXL moves whole pages)."""
+    bases = []
+    for name in layer_names:
+        kv = kv_caches.get(name)
+        if kv is None:
+            raise LayoutError(f"vLLM registered no KV cache for layer {name!r}")
+        if not kv.is_contiguous() or kv[0].numel() * kv.element_size() != page_bytes:
+            raise LayoutError(f"layer {name!r}: paged KV {tuple(kv.shape)} {kv.dtype} is not "
+                              f"contiguous {page_bytes} B pages")
+        bases.append(int(kv.data_ptr()))
+    return bases
+
+
+class PrefillRemote:
+    """DE-side pulls and pushes of a prefill worker over NIXL."""
+
+    def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.kv = kv
+        self.page_bytes = kv.page_bytes
+        self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
+        self._layer_index = {n: i for i, n in enumerate(kv.layer_names)}
+        self.link = NixlLink("prefill")
+        seen: set[int] = set()
+        regions = []
+        for name in kv.layer_names:
+            t = kv_caches[name]
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                regions.append((int(t.data_ptr()), t.numel() * t.element_size()))
+        self.link.register(regions)
+        self._peers: dict[str, tuple[SideChannelClient, str]] = {}
+        self._plan = StepPlan()
+        self._reads: dict[int, list[tuple[str, Pending]]] = defaultdict(list)
+        self._writes: list[tuple[Push, Pending]] = []
+        self._push_slots: dict[str, list[tuple[int, int]]] = {}
+        """req_id -> (block id, slot address) of the step's pushes."""
+        self._fail_from: dict[str, int] = {}
+        """req_id -> first DE-side block that failed to load (the decode side lacks it)."""
+
+    def _peer(self, address: str) -> tuple[SideChannelClient, str]:
+        got = self._peers.get(address)
+        if got is None:
+            client = SideChannelClient(address)
+            info = client.hello(self.link.metadata())
+            if int(info["full_block_bytes"]) != self.kv.store.full_block_bytes:
+                client.close()
+                raise SideChannelError(f"decode instance {address} holds "
+                                       f"{info['full_block_bytes']} B blocks, this prefill "
+                                       f"{self.kv.store.full_block_bytes} B: not the same model")
+            got = (client, self.link.connect(info["agent"]))
+            self._peers[address] = got
+        return got
+
+    def _drop_peer(self, address: str) -> None:
+        got = self._peers.pop(address, None)
+        if got is not None:
+            got[0].close()
+
+    def bind(self, plan: StepPlan) -> None:
+        self._plan = plan
+        self._reads.clear()
+        self._writes = []
+        self._push_slots = {}
+
+    def load(self) -> None:
+        """Stage and start pulling every `RemoteLoad` (after the store loads of the step)."""
+        for r in self._plan.remote_loads:
+            t = r.blocks
+            if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed from there
+                self._fail_from[t.req_id] = t.first_block
+                continue
+            try:
+                client, peer = self._peer(r.de)
+                reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
+                                    keys=[k.hex() for k in t.keys])
+                slots = [int(a) for a in reply["slots"]]
+                pairs = list(zip(t.block_ids, slots, strict=False))
+                for i in range(len(self._bases)):
+                    pending = self.link.post("READ", peer, [
+                        (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
+                         self.page_bytes) for bid, slot in pairs])
+                    if pending is not None:
+                        self._reads[i].append((t.req_id, pending))
+            except (SideChannelError, LinkError, OSError) as e:
+                self.kv.counters.remote_errors += 1
+                self.kv.log_event({"event": "remote_error", "req_id": t.req_id, "op": "stage",
+                                   "error": str(e)})
+                self._drop_peer(r.de)
+                slots = []
+            ok = len(slots)
+            self.kv.counters.pulled_blocks += ok
+            if ok < len(t.block_ids):
+                self.kv.report_load_error(t.req_id, t.block_ids[ok])
+                self._fail_from[t.req_id] = t.first_block + ok
+            self.kv.log_event({"event": "pull", "req_id": t.req_id, "de": r.de,
+                               "first_block": t.first_block, "blocks": len(t.block_ids),
+                               "ok": ok})
+
+    def inject(self, layer_name: str) -> None:
+        """Wait for layer `layer_name`'s pulls (before that layer runs)."""
+        i = self._layer_index[layer_name]
+        for req_id, pending in self._reads.pop(i, ()):
+            try:
+                pending.wait()
+            except LinkError as e:
+                self.kv.counters.remote_errors += 1
+                self.kv.log_event({"event": "remote_error", "req_id": req_id, "op": "read",
+                                   "error": str(e)})
+                first = next(r for r in self._plan.remote_loads if r.blocks.req_id == req_id)
+                self.kv.report_load_error(req_id, first.blocks.block_ids[0])
+                self._fail_from[req_id] = first.blocks.first_block
+
+    def capture(self, layer_name: str) -> None:
+        """Push layer `layer_name`'s pages of the step's pushes (after its attention)."""
+        if not self._plan.pushes:
+            return
+        i = self._layer_index[layer_name]
+        if i == 0:
+            self._allocate_pushes()
+        for p in self._plan.pushes:
+            slots = self._push_slots.get(p.req_id)
+            if not slots:
+                continue
+            try:
+                pending = self.link.post("WRITE", self._peer(p.de)[1], [
+                    (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
+                     self.page_bytes) for bid, slot in slots])
+            except (SideChannelError, LinkError, OSError) as e:
+                self._push_failed(p, e)
+                continue
+            if pending is not None:
+                self._writes.append((p, pending))
+
+    def _allocate_pushes(self) -> None:
+        for p in self._plan.pushes:
+            if self.kv.has_failed(p.req_id):
+                continue  # recomputed in a later step, pushed then
+            indices = list(p.block_indices)
+            fail = self._fail_from.get(p.req_id)
+            if fail is not None:  # the decode side lacks its own blocks from there on too
+                indices = sorted(set(indices) | set(range(fail, p.hit_blocks)))
+            try:
+                client, _ = self._peer(p.de)
+                reply = client.call("alloc", xfer=p.xfer, blocks=indices)
+            except (SideChannelError, LinkError, OSError) as e:
+                self._push_failed(p, e)
+                continue
+            self._push_slots[p.req_id] = [
+                (p.block_ids[b], int(a)) for b, a in zip(indices, reply["slots"], strict=True)]
+
+    def _push_failed(self, p: Push, e: Exception) -> None:
+        self._push_slots.pop(p.req_id, None)
+        self.kv.counters.remote_errors += 1
+        self.kv.log_event({"event": "remote_error", "req_id": p.req_id, "op": "push",
+                           "error": str(e)})
+
+    def flush(self) -> None:
+        """Wait for the pushes and commit them (after the forward)."""
+        failed: set[str] = set()
+        for p, pending in self._writes:
+            try:
+                pending.wait()
+            except LinkError as e:
+                failed.add(p.req_id)
+                self._push_failed(p, e)
+        for p in self._plan.pushes:
+            slots = self._push_slots.get(p.req_id)
+            if not slots or p.req_id in failed:
+                continue
+            try:
+                self._peer(p.de)[0].call("commit", xfer=p.xfer)
+            except (SideChannelError, OSError) as e:
+                self._push_failed(p, e)
+                continue
+            self.kv.counters.pushed_blocks += len(slots)
+            self._fail_from.pop(p.req_id, None)
+            self.kv.log_event({"event": "push", "req_id": p.req_id, "de": p.de,
+                               "blocks": len(slots)})
+        self._writes = []
+
+    def close(self) -> None:
+        for address in list(self._peers):
+            self._drop_peer(address)
+        with contextlib.suppress(Exception):
+            self.link.close()
+
+
+class DecodeRemote:
+    """Loads of a decode worker from its own staging buffer."""
+
+    def __init__(self, kv: KVWorker, pool: StagingPool) -> None:
+        self.kv = kv
+        self.pool = pool
+        self._plan = StepPlan()
+        self._staged: list[tuple[int, torch.Tensor]] = []
+
+    def bind(self, plan: StepPlan) -> None:
+        self._plan = plan
+        self._staged = []
+
+    def load(self) -> None:
+        for x in self._plan.xfer_loads:
+            blocks = range(x.first_block, x.first_block + len(x.block_ids))
+            slots = self.pool.lookup(x.xfer, list(blocks))
+            ok = 0
+            for block_id, slot in zip(x.block_ids, slots, strict=True):
+                if slot is None:
+                    self.kv.report_load_error(x.req_id, block_id)
+                    break
+                self._staged.append((block_id, self.pool.view(slot)))
+                ok += 1
+            self.kv.counters.xfer_loaded_blocks += ok
+            self.kv.log_event({"event": "xfer_load", "req_id": x.req_id, "xfer": x.xfer,
+                               "first_block": x.first_block, "blocks": len(x.block_ids),
+                               "ok": ok})
+
+    def inject(self, layer_name: str, kv: torch.Tensor) -> None:
+        if not self._staged:
+            return
+        i = self.kv.layer_names.index(layer_name)
+        lo, hi = i * self.kv.page_bytes, (i + 1) * self.kv.page_bytes
+        for block_id, buf in self._staged:
+            page = kv[block_id]
+            page.copy_(buf[lo:hi].view(kv.dtype).view(page.shape))
+
+    def flush(self) -> None:
+        for x in self._plan.xfer_loads:
+            self.pool.release(x.xfer)
+        self._staged = []

@@ -1,0 +1,248 @@
+"""The decode instance's half of the DE read path: a staging buffer of Full Block slots, and the
+side channel (TCP, one JSON object per line) through which prefill workers use it.
+
+Per request (`xfer`, the router's id), the staging buffer holds the blocks the decode instance
+will load into its paged KV when the request arrives for decoding:
+
+- `stage`: the decode worker reads the request's DE-side hit blocks from storage into free slots
+  (storage -> decode DRAM); the prefill worker then pulls them over NIXL, layer by layer.
+- `alloc` + `commit`: the prefill worker writes the blocks the decode instance lacks (those it
+  read itself and those it computed, the partial tail included) into slots over NIXL and
+  commits them; only committed or staged slots are ever loaded.
+
+Messages (request -> reply), each one line of JSON:
+
+    {"op": "hello", "agent": b64}                -> {"agent": b64, "full_block_bytes", ...}
+    {"op": "stage", "xfer", "first_block", "keys": [hex]}  -> {"slots": [addr], "ok": n}
+    {"op": "alloc", "xfer", "blocks": [index]}   -> {"slots": [addr]}
+    {"op": "commit", "xfer"}                     -> {"ok": true}
+    any failure                                  -> {"error": "why"}
+
+A transfer nobody loads (its request never reached the decode instance) is dropped after
+`ttl_s`, and whenever the buffer runs out of slots, the oldest transfers go first.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dualpath.core.store import BlockStore
+
+
+class SideChannelError(RuntimeError):
+    """A side-channel request the decode instance refused, or a broken connection."""
+
+
+@dataclass
+class _Xfer:
+    slots: dict[int, int] = field(default_factory=dict)
+    """block index (in the request) -> slot."""
+    staged: set[int] = field(default_factory=set)
+    """Blocks read from storage here (valid once staged)."""
+    committed: bool = False
+    """The prefill worker's pushed blocks are complete."""
+    created: float = field(default_factory=time.monotonic)
+
+
+class StagingPool:
+    """`num_slots` Full Block slots in one host buffer, handed out per transfer. Thread-safe."""
+
+    def __init__(self, num_slots: int, full_block_bytes: int, ttl_s: float = 600.0) -> None:
+        if num_slots < 1:
+            raise ValueError(f"staging_blocks must be >= 1, got {num_slots}")
+        self.full_block_bytes = full_block_bytes
+        self.num_slots = num_slots
+        self.buffer = torch.zeros(num_slots * full_block_bytes, dtype=torch.uint8)
+        self.base = int(self.buffer.data_ptr())
+        self.ttl_s = ttl_s
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._xfers: dict[str, _Xfer] = {}
+        self._lock = threading.Lock()
+        self.num_expired = 0
+
+    def address(self, slot: int) -> int:
+        return self.base + slot * self.full_block_bytes
+
+    def view(self, slot: int) -> torch.Tensor:
+        lo = slot * self.full_block_bytes
+        return self.buffer[lo:lo + self.full_block_bytes]
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def alloc(self, xfer: str, blocks: Sequence[int]) -> list[int]:
+        """Slots for `blocks` of `xfer` (a block given twice keeps its slot)."""
+        with self._lock:
+            x = self._xfers.setdefault(xfer, _Xfer())
+            need = [b for b in blocks if b not in x.slots]
+            self._expire(len(need), keep=xfer)
+            if len(need) > len(self._free):
+                raise SideChannelError(f"staging buffer full: {len(need)} slots wanted, "
+                                       f"{len(self._free)} free of {self.num_slots}")
+            for b in need:
+                x.slots[b] = self._free.pop()
+            return [x.slots[b] for b in blocks]
+
+    def mark_staged(self, xfer: str, blocks: Sequence[int]) -> None:
+        with self._lock:
+            self._xfers[xfer].staged.update(blocks)
+
+    def commit(self, xfer: str) -> None:
+        with self._lock:
+            x = self._xfers.get(xfer)
+            if x is None:
+                raise SideChannelError(f"unknown transfer {xfer}")
+            x.committed = True
+
+    def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
+        """The slot of each block that holds valid bytes (staged, or pushed and committed)."""
+        with self._lock:
+            x = self._xfers.get(xfer)
+            if x is None:
+                return [None] * len(blocks)
+            return [x.slots[b] if b in x.slots and (b in x.staged or x.committed) else None
+                    for b in blocks]
+
+    def release(self, xfer: str) -> None:
+        with self._lock:
+            x = self._xfers.pop(xfer, None)
+            if x is not None:
+                self._free.extend(x.slots.values())
+
+    def _expire(self, need: int, keep: str) -> None:
+        now = time.monotonic()
+        for name in sorted(self._xfers, key=lambda n: self._xfers[n].created):
+            x = self._xfers[name]
+            if name == keep or (now - x.created < self.ttl_s and len(self._free) >= need):
+                continue
+            self._free.extend(x.slots.values())
+            del self._xfers[name]
+            self.num_expired += 1
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class DecodeSideChannel:
+    """The decode worker's side-channel server around its `StagingPool` and `BlockStore`."""
+
+    def __init__(self, address: str, pool: StagingPool, store: BlockStore,
+                 agent_metadata: bytes, connect_peer: Callable[[bytes], str],
+                 info: Mapping[str, Any]) -> None:
+        host, port = split_address(address)
+        self.pool = pool
+        self.store = store
+        self._agent_metadata = agent_metadata
+        self._connect_peer = connect_peer
+        self._info = dict(info)
+        self.num_staged_blocks = 0
+        self.num_stage_errors = 0
+        channel = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                for line in self.rfile:
+                    try:
+                        reply = channel.serve(json.loads(line))
+                    except Exception as e:  # the peer gets the reason
+                        reply = {"error": f"{type(e).__name__}: {e}"}
+                    self.wfile.write((json.dumps(reply) + "\n").encode())
+                    self.wfile.flush()
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((host, port), Handler)
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="dualpath-side-channel")
+        self._thread.start()
+
+    def serve(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "hello":
+            self._connect_peer(base64.b64decode(msg["agent"]))
+            return {"agent": _b64(self._agent_metadata), **self._info}
+        if op == "stage":
+            return self._stage(str(msg["xfer"]), int(msg["first_block"]),
+                               [bytes.fromhex(k) for k in msg["keys"]])
+        if op == "alloc":
+            slots = self.pool.alloc(str(msg["xfer"]), [int(b) for b in msg["blocks"]])
+            return {"slots": [self.pool.address(s) for s in slots]}
+        if op == "commit":
+            self.pool.commit(str(msg["xfer"]))
+            return {"ok": True}
+        raise SideChannelError(f"unknown op {op!r}")
+
+    def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> dict[str, Any]:
+        blocks = list(range(first, first + len(keys)))
+        slots = self.pool.alloc(xfer, blocks)
+        ok = 0
+        for slot, key in zip(slots, keys, strict=True):
+            if not self.store.get_into(key, self.pool.view(slot).numpy()):
+                self.num_stage_errors += 1
+                break  # the prefill side recomputes from the first failed block on
+            ok += 1
+        self.pool.mark_staged(xfer, blocks[:ok])
+        self.num_staged_blocks += ok
+        return {"slots": [self.pool.address(s) for s in slots[:ok]], "ok": ok}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"side channel address {address!r} is not host:port")
+    return host or "127.0.0.1", int(port)
+
+
+class SideChannelClient:
+    """A prefill worker's connection to one decode instance's side channel (thread-safe)."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+        self.address = address
+        self._sock = socket.create_connection(split_address(address), timeout=timeout_s)
+        self._rfile = self._sock.makefile("rb")
+        self._lock = threading.Lock()
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            try:
+                self._sock.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
+                line = self._rfile.readline()
+            except OSError as e:
+                raise SideChannelError(f"side channel {self.address}: {e}") from e
+        if not line:
+            raise SideChannelError(f"side channel {self.address} closed the connection")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise SideChannelError(f"side channel {self.address}: {reply['error']}")
+        return reply
+
+    def hello(self, agent_metadata: bytes) -> dict[str, Any]:
+        reply = self.call("hello", agent=_b64(agent_metadata))
+        reply["agent"] = base64.b64decode(reply["agent"])
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._rfile.close()
+            self._sock.close()
