@@ -1,0 +1,116 @@
+"""The connector's P/D roles on the scheduler side (`plan.Planner` as prefill and as decode)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualpath.core.blocks import block_keys
+from dualpath.core.errors import SpecError
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.manifest import RouteParams
+from dualpath.integrations.vllm.plan import Planner, namespace_key
+
+BS = 4
+NS = namespace_key("test-model", "float32", BS)
+TOKENS = list(range(100, 118))  # 4 full blocks and a 2-token tail; 5 blocks in all
+
+
+def route(hit: int, pe: int, tokens: int = 0) -> RouteParams:
+    return RouteParams(xfer="x1", de="127.0.0.1:9", hit_blocks=hit, pe_blocks=pe, tokens=tokens)
+
+
+def planner(tmp_path: Path, role: str) -> tuple[Planner, BlockStore]:
+    store = BlockStore(tmp_path, 8, is_durable=False)
+    return Planner(BS, NS, store.contains, role=role), store
+
+
+def test_prefill_splits_the_hit_between_the_store_and_the_decode_side(tmp_path: Path) -> None:
+    p, _ = planner(tmp_path, "prefill")
+    p.add_request("r", TOKENS, route(hit=3, pe=1))
+    # The router's hit count is trusted (a vanished block is a load error, not a re-count).
+    assert p.match("r", 0) == 3 * BS
+    p.after_alloc("r", 3 * BS)
+    p.schedule_new("r", [10, 11, 12, 13, 14], 3 * BS, len(TOKENS) - 3 * BS)
+    plan = p.take_plan()
+    (pe_load,) = plan.loads
+    (de_load,) = plan.remote_loads
+    keys = block_keys(TOKENS, BS, parent=NS)
+    assert (pe_load.first_block, pe_load.block_ids, pe_load.keys) == (0, (10,), (keys[0],))
+    assert de_load.xfer == "x1" and de_load.de == "127.0.0.1:9"
+    assert (de_load.blocks.first_block, de_load.blocks.block_ids) == (1, (11, 12))
+    assert de_load.blocks.keys == tuple(keys[1:3])
+    # Prefill completes in this step: push what the decode side lacks (not its own 1..2).
+    (push,) = plan.pushes
+    assert push.block_indices == (0, 3, 4) and push.block_ids == (10, 11, 12, 13, 14)
+    assert push.hit_blocks == 3
+    assert plan.saves == []  # the decode instance persists
+    assert p.finished_params("r") == route(3, 1, tokens=len(TOKENS)).to_params()
+
+
+def test_prefill_pushes_once_and_again_after_a_recompute(tmp_path: Path) -> None:
+    p, _ = planner(tmp_path, "prefill")
+    p.add_request("r", TOKENS, route(hit=2, pe=0))
+    p.match("r", 0)
+    p.after_alloc("r", 2 * BS)
+    p.schedule_new("r", [1, 2, 3, 4, 5], 8, 6)  # a chunk: 8 + 6 = 14 of 18 tokens
+    first = p.take_plan()
+    assert first.pushes == [] and len(first.remote_loads) == 1
+    assert p.finished_params("r") is None  # nothing pushed yet
+    p.schedule_cached("r", None, is_resumed=False, num_computed_tokens=14,
+                      num_scheduled_tokens=4)
+    assert [x.block_indices for x in p.take_plan().pushes] == [(2, 3, 4)]
+    # vLLM moved the computed tokens back (a failed load): the push is planned again.
+    p.schedule_cached("r", None, is_resumed=False, num_computed_tokens=4,
+                      num_scheduled_tokens=14)
+    assert len(p.take_plan().pushes) == 1
+    p.schedule_cached("r", None, is_resumed=False, num_computed_tokens=18,
+                      num_scheduled_tokens=1)
+    assert p.take_plan().pushes == []
+
+
+def test_decode_loads_all_but_the_last_prompt_token_from_staging(tmp_path: Path) -> None:
+    d, store = planner(tmp_path, "decode")
+    d.add_request("r", list(TOKENS), route(hit=3, pe=1, tokens=len(TOKENS)))
+    assert d.match("r", 0) == len(TOKENS) - 1
+    d.after_alloc("r", len(TOKENS) - 1)
+    d.schedule_new("r", [20, 21, 22, 23, 24], len(TOKENS) - 1, 1)
+    plan = d.take_plan()
+    (x,) = plan.xfer_loads
+    assert (x.xfer, x.first_block, x.block_ids) == ("x1", 0, (20, 21, 22, 23, 24))
+    assert plan.loads == [] and plan.remote_loads == []
+    (save,) = plan.saves  # the full prompt blocks are persisted here
+    assert save.block_ids == (20, 21, 22, 23)
+
+
+def test_decode_without_a_matching_transfer_falls_back_to_the_store(tmp_path: Path) -> None:
+    d, store = planner(tmp_path, "decode")
+    for key in block_keys(TOKENS, BS, parent=NS)[:2]:
+        store.put(key, bytes(8))
+    # The prefill side reports a different prompt length: not ours to load.
+    d.add_request("r", list(TOKENS), route(hit=2, pe=2, tokens=len(TOKENS) + 1))
+    assert d.match("r", 0) == 2 * BS
+    d.after_alloc("r", 2 * BS)
+    d.schedule_new("r", [1, 2, 3, 4, 5], 2 * BS, len(TOKENS) - 2 * BS)
+    plan = d.take_plan()
+    assert plan.xfer_loads == [] and plan.remote_loads == [] and len(plan.loads) == 1
+
+
+def test_single_instance_role_ignores_route_params(tmp_path: Path) -> None:
+    b, _ = planner(tmp_path, "both")
+    b.add_request("r", TOKENS, route(hit=3, pe=0))
+    assert b.match("r", 0) == 0  # nothing stored; the route is not trusted here
+    assert b.finished_params("r") is None
+
+
+def test_route_params_round_trip_and_refuse_bad_fields() -> None:
+    r = route(4, 1, tokens=9)
+    assert RouteParams.from_params(r.to_params()) == r
+    assert RouteParams.from_params({"other": 1}) is None
+    with pytest.raises(SpecError, match="pe_blocks"):
+        route(2, 3)
+    with pytest.raises(SpecError, match="malformed"):
+        RouteParams.from_params({"dualpath": {"xfer": "a"}})
+    with pytest.raises(SpecError, match="role"):
+        Planner(BS, NS, lambda k: False, role="router")

@@ -1,0 +1,201 @@
+"""The DE read path's data plane without vLLM: a decode side (staging buffer, side channel,
+NIXL agent) and a prefill side (paged KV registered with NIXL) in one process, real UCX
+transfers, a real BlockStore.
+
+Checks the bytes: DE-side hits staged from storage and pulled layer by layer into the prefill
+worker's pages; the blocks the decode side lacks pushed into its staging buffer and loaded into
+its own pages; every failure (a missing block, a dead side channel, an expired transfer) turns
+into a load error (a recompute), never into wrong bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
+
+from dualpath.core.blocks import block_keys  # noqa: E402
+from dualpath.core.store import BlockStore  # noqa: E402
+from dualpath.integrations.vllm.kvio import KVWorker  # noqa: E402
+from dualpath.integrations.vllm.nixl_link import NixlLink  # noqa: E402
+from dualpath.integrations.vllm.plan import (  # noqa: E402
+    BlockTransfer,
+    Push,
+    RemoteLoad,
+    StepPlan,
+    XferLoad,
+)
+from dualpath.integrations.vllm.remote import DecodeRemote, PrefillRemote  # noqa: E402
+from dualpath.integrations.vllm.side_channel import (  # noqa: E402
+    DecodeSideChannel,
+    SideChannelError,
+    StagingPool,
+)
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+NUM_BLOCKS, HEADS, BS, CH = 8, 2, 4, 6
+PAGE = HEADS * BS * CH * 4
+FULL = len(LAYERS) * PAGE
+KEYS = block_keys(list(range(6 * BS)), BS)
+
+
+def paged() -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+
+
+def page_of(block: torch.Tensor, layer: int) -> torch.Tensor:
+    return block[layer * PAGE:(layer + 1) * PAGE].view(torch.float32).view(HEADS, BS, CH)
+
+
+@dataclass
+class Pair:
+    store: BlockStore
+    stored: list[torch.Tensor]
+    pool: StagingPool
+    channel: DecodeSideChannel
+    d_link: NixlLink
+    p_kv: dict[str, torch.Tensor]
+    p_worker: KVWorker
+    prefill: PrefillRemote
+    d_worker: KVWorker
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    store = BlockStore(tmp_path / "store", FULL, is_durable=False)
+    g = torch.Generator().manual_seed(1)
+    stored = []
+    for key in KEYS[:3]:
+        block = torch.randint(0, 255, (FULL,), dtype=torch.uint8, generator=g)
+        store.put(key, block.numpy().data)
+        stored.append(block)
+    pool = StagingPool(6, FULL)
+    d_link = NixlLink("decode-test")
+    d_link.register([(pool.base, pool.num_slots * FULL)])
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, d_link.metadata(), d_link.connect,
+                                {"full_block_bytes": FULL})
+    p_kv = paged()
+    p_worker = KVWorker(store, LAYERS, PAGE)
+    prefill = PrefillRemote(p_worker, p_kv)
+    d_worker = KVWorker(store, LAYERS, PAGE)
+    yield Pair(store, stored, pool, channel, d_link, p_kv, p_worker, prefill, d_worker)
+    prefill.close()
+    channel.close()
+    d_link.close()
+
+
+def prefill_step(p: Pair, plan: StepPlan, computed: dict[int, torch.Tensor]) -> None:
+    """vLLM's order on the prefill worker; `computed[block_id]` is what "attention" writes."""
+    p.p_worker.bind(plan)
+    p.prefill.bind(plan)
+    p.p_worker.load()
+    p.prefill.load()
+    for i, name in enumerate(LAYERS):
+        p.prefill.inject(name)
+        p.p_worker.inject(name, p.p_kv[name])
+        for block_id, block in computed.items():
+            p.p_kv[name][block_id].copy_(page_of(block, i))
+        p.p_worker.capture(name, p.p_kv[name])
+        p.prefill.capture(name)
+    p.prefill.flush()
+    p.p_worker.flush()
+
+
+def decode_step(p: Pair, load: XferLoad) -> dict[str, torch.Tensor]:
+    kv = paged()
+    remote = DecodeRemote(p.d_worker, p.pool)
+    plan = StepPlan(xfer_loads=[load])
+    p.d_worker.bind(plan)
+    remote.bind(plan)
+    p.d_worker.load()
+    remote.load()
+    for name in LAYERS:
+        p.d_worker.inject(name, kv[name])
+        remote.inject(name, kv[name])
+    p.d_worker.flush()
+    remote.flush()
+    return kv
+
+
+def test_de_hits_pulled_per_layer_and_only_missing_blocks_pushed(pair: Pair) -> None:
+    p = pair
+    de = p.channel.address
+    tail = torch.randint(0, 255, (FULL,), dtype=torch.uint8)
+    # Blocks 0-2 of the request are hits, all on the DE side; block 3 is computed here.
+    plan = StepPlan(
+        remote_loads=[RemoteLoad("x", de, BlockTransfer("r", 0, (5, 1, 6), tuple(KEYS[:3])))],
+        pushes=[Push("x", de, "r", (3,), (5, 1, 6, 2), hit_blocks=3)])
+    prefill_step(p, plan, {2: tail})
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((5, 1, 6), p.stored, strict=True):
+            assert torch.equal(p.p_kv[name][block_id], page_of(block, i))
+    assert p.p_worker.counters.pulled_blocks == 3 and p.p_worker.counters.pushed_blocks == 1
+    assert p.p_worker.take_load_errors() == set()
+    assert p.channel.num_staged_blocks == 3
+    # The decode side holds blocks 0-2 (staged) and 3 (pushed) under the transfer.
+    kv = decode_step(p, XferLoad("x", "r", 0, (0, 3, 4, 7)))
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((0, 3, 4, 7), [*p.stored, tail], strict=True):
+            assert torch.equal(kv[name][block_id], page_of(block, i))
+    assert p.d_worker.take_load_errors() == set()
+    assert p.pool.num_free == p.pool.num_slots  # released after the load
+
+
+def test_missing_de_block_is_a_load_error_and_is_pushed_after_recompute(pair: Pair) -> None:
+    p = pair
+    de = p.channel.address
+    p.store.remove(KEYS[1])
+    plan = StepPlan(
+        remote_loads=[RemoteLoad("x", de, BlockTransfer("r", 0, (5, 1, 6), tuple(KEYS[:3])))])
+    prefill_step(p, plan, {})
+    assert p.p_worker.take_load_errors() == {1}  # vLLM recomputes from block 1 on
+    assert p.p_worker.counters.pulled_blocks == 1
+    # The recompute step pushes what the decode side now lacks: its own blocks 1-2 too.
+    recomputed = {1: torch.randint(0, 255, (FULL,), dtype=torch.uint8),
+                  6: torch.randint(0, 255, (FULL,), dtype=torch.uint8)}
+    prefill_step(p, StepPlan(pushes=[Push("x", de, "r", (), (5, 1, 6), hit_blocks=3)]),
+                 recomputed)
+    assert p.p_worker.counters.pushed_blocks == 2
+    kv = decode_step(p, XferLoad("x", "r", 0, (0, 3, 4)))
+    assert p.d_worker.take_load_errors() == set()
+    for i, name in enumerate(LAYERS):
+        assert torch.equal(kv[name][0], page_of(p.stored[0], i))
+        assert torch.equal(kv[name][3], page_of(recomputed[1], i))
+        assert torch.equal(kv[name][4], page_of(recomputed[6], i))
+
+
+def test_dead_side_channel_is_a_load_error_not_a_crash(pair: Pair) -> None:
+    p = pair
+    plan = StepPlan(remote_loads=[RemoteLoad(
+        "x", "127.0.0.1:1", BlockTransfer("r", 0, (5, 1), tuple(KEYS[:2])))],
+        pushes=[Push("x", "127.0.0.1:1", "r", (2,), (5, 1, 6), hit_blocks=2)])
+    prefill_step(p, plan, {})
+    assert p.p_worker.take_load_errors() == {5}
+    assert p.p_worker.counters.remote_errors == 1
+    # The request's load failed: nothing is pushed now (it is, after the recompute).
+    assert p.p_worker.counters.pushed_blocks == 0
+
+
+def test_decode_side_lacking_a_block_reports_it(pair: Pair) -> None:
+    p = pair
+    p.pool.alloc("y", [0, 1])  # allocated by a prefill that never committed
+    kv = decode_step(p, XferLoad("y", "r", 0, (2, 3)))
+    assert p.d_worker.take_load_errors() == {2}
+    assert not kv[LAYERS[0]].any()
+    assert decode_step(p, XferLoad("unknown", "r", 0, (4,))) is not None
+    assert p.d_worker.take_load_errors() == {4}
+
+
+def test_staging_pool_expires_the_oldest_transfer_when_full() -> None:
+    pool = StagingPool(3, 16, ttl_s=3600)
+    pool.alloc("a", [0, 1])
+    pool.alloc("b", [0])
+    pool.alloc("c", [0, 1])  # needs 2, 0 free: "a" (the oldest) goes
+    assert pool.num_expired == 1 and pool.lookup("a", [0]) == [None]
+    with pytest.raises(SideChannelError, match="full"):
+        pool.alloc("d", [0, 1, 2, 3])
