@@ -304,8 +304,14 @@ class Router:
         self._place()
 
     # -- upstream --------------------------------------------------------------------------
+    def _count_error(self, role: Role, url: str) -> None:
+        """One more failure of the instance `url` (an endpoint of it) belongs to."""
+        urls = self.cfg.prefill if role is Role.PREFILL else self.cfg.decode
+        base = next((u for u in urls if url == u or url.startswith(u + "/")), url)
+        self.upstream_errors[(role.value, base)] += 1
+
     def _upstream_error(self, role: Role, url: str, exc: httpx2.HTTPError) -> ApiError:
-        self.upstream_errors[(role.value, url)] += 1
+        self._count_error(role, url)
         if isinstance(exc, httpx2.TimeoutException):
             return ApiError(HTTPStatus.GATEWAY_TIMEOUT, f"{role.value} instance {url} timed "
                             f"out: {type(exc).__name__}", kind="server_error")
@@ -317,7 +323,7 @@ class Router:
         if resp.status_code < 400:
             return
         if resp.status_code >= 500:
-            self.upstream_errors[(role.value, url)] += 1
+            self._count_error(role, url)
             raise ApiError(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} failed: "
                            f"HTTP {resp.status_code}: {resp.text[:500]}", kind="server_error")
         raise _Passthrough(resp)
@@ -363,7 +369,7 @@ class Router:
         except (ValueError, KeyError, TypeError):
             ids = None
         if not _is_token_ids(ids):
-            self.upstream_errors[(Role.PREFILL.value, url)] += 1
+            self._count_error(Role.PREFILL, url)
             raise ApiError(HTTPStatus.BAD_GATEWAY, f"prefill instance {url}: no token ids in "
                            f"its reply", kind="server_error")
         return list(ids)
