@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx2
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -115,8 +114,7 @@ def served(app: FastAPI) -> Iterator[str]:
     """`app` on a free loopback port in a thread; yields its base URL."""
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = make_server(app) if isinstance(app, FastAPI) else uvicorn.Server(
-        uvicorn.Config(app))
+    server = make_server(app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started)
@@ -231,7 +229,7 @@ def test_a_longer_pe_read_queue_sends_the_next_read_de(
         calls: list[Future[httpx2.Response]] = []
         for n in (1, 2):
             calls.append(pool.submit(client.post, "/v1/completions", json=body))
-            wait_until(lambda n=n: len(prefill.bodies("/v1/completions")) == n)  # type: ignore[misc]
+            wait_until(lambda n=n: len(prefill.bodies("/v1/completions")) == n)
         first, second = (RouteParams.from_params(b["kv_transfer_params"])
                          for b in prefill.bodies("/v1/completions"))
         assert first is not None and second is not None
