@@ -1,0 +1,297 @@
+"""The router's decisions, pure: its accounting of P prefill and D decode vLLM instances and
+the one `sched.scheduler.Scheduler` driven from it (no I/O, no clock; `router.py` does the HTTP).
+
+Cluster shape: every vLLM instance is one engine on its own node. Prefill instance `i` is
+engine and node `i`; decode instance `j` is engine and node `P + j`, and DE group `j` of the
+scheduler. The DE side is scheduled per group as the paper does (phase 1 drains the global
+queue to the groups, phase 2 binds each group's decode engine). The PE side is fetched for all
+prefill engines at once (`PE_GROUP`): a group leader's pull (paper §6.1) has no equivalent in a
+router, which sees every instance at every decision, so Algorithm 1 (or round robin in `basic`)
+runs over the union of the prefill engines, which spreads requests across them instead of
+handing the whole queue to whichever single-engine group is asked first.
+
+Loads (`EngineReport` fields), all from the router's own accounting except free KV memory:
+- prefill `i`: `num_seqs` / `num_tokens` = requests routed to it whose prefill has not replied
+  and their prompt tokens; `read_q_tokens` = hit tokens those requests read on the PE side.
+- decode `j`: `num_seqs` / `num_tokens` = requests bound to it (from the DE fetch until the
+  decode reply ends) and their prompt tokens; `read_q_tokens` = hit tokens read on its DE side
+  by requests whose prefill has not replied; `free_hbm_bytes` from the instance's
+  `/metrics` (`InstanceMetrics`): KV capacity x (1 - `kv_cache_usage_perc`) minus what the
+  requests bound to it but not yet sent to it will need; without a usage sample, capacity minus
+  every bound request's need; without a capacity, unlimited (admission then never waits on HBM).
+
+A request the scheduler cannot place waits in its queues; `schedule()` is called again when
+anything changes (a reply, a failure, a metrics poll) and returns the requests it placed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualpath.core.errors import SpecError
+from dualpath.sched.mode import mode_preset
+from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.scheduler import Scheduler
+from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
+
+ROUTE_MODES = ("basic", "dualpath", "split")
+"""`basic`: PE read path only, round robin; `dualpath`: Algorithm 1, two-level DE scheduling,
+the shorter read queue reads; `split`: as dualpath, one request's read split across both."""
+PE_GROUP = 0
+UNLIMITED_HBM_BYTES = 2**62
+"""`free_hbm_bytes` of a decode instance whose KV capacity is unknown."""
+ALPHA_READ_S = 3.0
+"""Paper A.4: alpha is the tokens one node's storage NIC reads in 3 s."""
+DEFAULT_STORAGE_GBPS = 100.0
+"""The storage NIC rate alpha is derived from unless `--alpha-tokens` is given."""
+DEFAULT_BETA_TOKENS = 262_144
+"""Prompt tokens in flight on one prefill instance above which it takes no more (paper: 5 s
+of one GPU's work; 256K is about that for an H100-class instance on mostly-cached agent
+prompts; set `--beta-tokens` to 5 s of yours)."""
+
+
+def route_params(mode: str, block_size: int, kv_bytes_per_token: float,
+                 alpha_tokens: float | None = None, beta_tokens: float = DEFAULT_BETA_TOKENS,
+                 storage_gbps: float = DEFAULT_STORAGE_GBPS) -> tuple[SchedulerParams, bool]:
+    """The scheduler parameters of a router mode and whether it schedules round robin.
+
+    alpha defaults to 3 s of `storage_gbps` reads (`runtime.run_config.scheduler_params`'s
+    rule), beta to `DEFAULT_BETA_TOKENS`; the block size and KV bytes per token come from the
+    store's manifest."""
+    if mode not in ROUTE_MODES:
+        raise SpecError("route", "mode", mode, f"must be one of {', '.join(ROUTE_MODES)}")
+    if not storage_gbps > 0:
+        raise SpecError("route", "storage_gbps", storage_gbps, "must be > 0")
+    switches = mode_preset(mode)
+    alpha = alpha_tokens if alpha_tokens is not None else (
+        storage_gbps * 1e9 / 8 * ALPHA_READ_S / kv_bytes_per_token)
+    params = SchedulerParams(alpha_tokens=alpha, beta_tokens=beta_tokens,
+                             kv_bytes_per_token=kv_bytes_per_token, block_size_tokens=block_size,
+                             path_mode=PathMode(switches.paths))
+    return params, switches.is_round_robin
+
+
+@dataclass(frozen=True)
+class InstanceMetrics:
+    """What one poll of a vLLM instance's `/metrics` said (None: absent from the page)."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    """`vllm:kv_cache_usage_perc`, a fraction in [0, 1]."""
+    kv_capacity_bytes: int | None = None
+    """From `vllm:cache_config_info` (num_gpu_blocks x block_size x KV bytes per token)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """A placed request: its prefill and decode instances (indices) and its read plan."""
+
+    request_id: int
+    prefill: int
+    decode: int
+    plan: ReadPlan
+
+    @property
+    def path(self) -> str:
+        """"pe", "de", "split" (both sides read) or "none" (no hit)."""
+        if self.plan.num_hit_blocks == 0:
+            return "none"
+        side = self.plan.side
+        return side.value if side is not None else "split"
+
+
+@dataclass
+class _Request:
+    request: WaitingRequest
+    de: tuple[int, int] | None = None
+    """(decode instance, HBM bytes) once the DE fetch bound it."""
+    route: Route | None = None
+    is_prefilled: bool = False
+    """The prefill replied: the request is at its decode instance (or finished)."""
+
+
+@dataclass
+class RouteCounters:
+    """Requests per read path and hit blocks per read side since the router started."""
+
+    requests_by_path: Counter[str] = field(default_factory=Counter)
+    blocks_by_side: Counter[str] = field(default_factory=Counter)
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+class RoutePolicy:
+    """The router's `Scheduler` and its accounting; see the module docstring."""
+
+    def __init__(self, params: SchedulerParams, num_prefill: int, num_decode: int,
+                 is_round_robin: bool = False,
+                 decode_kv_capacity_bytes: int | None = None) -> None:
+        if num_prefill < 1 or num_decode < 1:
+            raise SpecError("route", "instances", (num_prefill, num_decode),
+                            "needs at least one prefill and one decode instance")
+        self.params = params
+        self.num_prefill = num_prefill
+        self.num_decode = num_decode
+        self.sched = Scheduler(params, num_decode, is_round_robin=is_round_robin)
+        self.decode_kv_capacity_bytes = decode_kv_capacity_bytes
+        """Overrides every decode instance's reported KV capacity (`--decode-kv-gib`)."""
+        self.metrics: dict[tuple[str, int], InstanceMetrics] = {}
+        """Latest poll per (role, instance index)."""
+        self.counters = RouteCounters()
+        self._requests: dict[int, _Request] = {}
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(self, request_id: int, prompt_tokens: int, hit_blocks: int,
+               gen_tokens: int = 0) -> None:
+        """Queue a request (its stored prefix: `hit_blocks` whole blocks); call `schedule`."""
+        if request_id in self._requests:
+            raise SpecError("route", "request_id", request_id, "submitted twice")
+        r = WaitingRequest(request_id, prompt_tokens, hit_blocks * self.params.block_size_tokens,
+                           gen_tokens)
+        self._requests[request_id] = _Request(r)
+        self.sched.submit(r)
+
+    def prefill_done(self, request_id: int) -> None:
+        """The prefill instance replied: its seat, and both read queues' share, are free."""
+        req = self._requests.get(request_id)
+        if req is not None and req.route is not None:
+            req.is_prefilled = True
+
+    def finished(self, request_id: int) -> None:
+        """The decode reply ended: forget the request."""
+        if self._requests.pop(request_id, None) is not None:
+            self.counters.num_finished += 1
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is (a timeout, an upstream failure, a client gone);
+        True if it was still waiting for an instance."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.counters.num_aborted += 1
+        return self.sched.cancel(request_id).was_waiting
+
+    def is_known(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    def route_of(self, request_id: int) -> Route | None:
+        req = self._requests.get(request_id)
+        return req.route if req is not None else None
+
+    def update_metrics(self, role: Role, index: int, sample: InstanceMetrics) -> None:
+        self.metrics[(role.value, index)] = sample
+
+    # -- decisions -------------------------------------------------------------------------
+    def schedule(self) -> list[Route]:
+        """DE phase 1 and 2 for every decode instance, then one PE fetch over the prefill
+        instances; returns the requests placed on both sides now (in placement order)."""
+        sched = self.sched
+        if sched.num_global:
+            sched.drain([self.decode_report(j).num_tokens for j in range(self.num_decode)])
+        for j in range(self.num_decode):
+            if not sched.num_private(j):
+                continue
+            de_fetch = sched.de_fetch(j, [self.decode_report(j)], self.read_q_by_node())
+            for d in de_fetch.assignments:
+                self._requests[d.request_id].de = (d.engine_id - self.num_prefill, d.hbm_bytes)
+        if not sched.num_pe_waiting:
+            return []
+        reports = [self.prefill_report(i) for i in range(self.num_prefill)]
+        fetch = sched.pe_fetch(PE_GROUP, reports, self.read_q_by_node())
+        placed = []
+        for a in fetch.assignments:
+            req = self._requests[a.request_id]
+            if a.read is None or req.de is None:
+                raise RuntimeError(f"request {a.request_id}: placed without its decode instance")
+            route = Route(a.request_id, a.engine_id, req.de[0], a.read)
+            req.route = route
+            self.counters.requests_by_path[route.path] += 1
+            self.counters.blocks_by_side["pe"] += route.plan.num_pe_blocks
+            self.counters.blocks_by_side["de"] += route.plan.num_de_blocks
+            placed.append(route)
+        return placed
+
+    # -- loads -----------------------------------------------------------------------------
+    def _prefilling(self) -> list[Route]:
+        return [q.route for q in self._requests.values()
+                if q.route is not None and not q.is_prefilled]
+
+    def read_q_by_node(self) -> dict[int, int]:
+        """Hit tokens queued on each node's storage NIC: the reads of requests whose prefill
+        has not replied (prefill nodes `0..P-1`, decode nodes `P..P+D-1`)."""
+        q = dict.fromkeys(range(self.num_prefill + self.num_decode), 0)
+        for route in self._prefilling():
+            q[route.prefill] += route.plan.pe_read_tokens
+            q[self.num_prefill + route.decode] += route.plan.de_read_tokens
+        return q
+
+    def prefill_report(self, i: int) -> EngineReport:
+        mine = [q.request for q in self._requests.values()
+                if q.route is not None and not q.is_prefilled and q.route.prefill == i]
+        return EngineReport(i, i, Role.PREFILL, len(mine),
+                            sum(self.sched.pe_charge(r) for r in mine),
+                            self.read_q_by_node()[i], UNLIMITED_HBM_BYTES)
+
+    def decode_report(self, j: int) -> EngineReport:
+        bound = [q for q in self._requests.values() if q.de is not None and q.de[0] == j]
+        node = self.num_prefill + j
+        return EngineReport(node, node, Role.DECODE, len(bound),
+                            sum(self.sched.de_charge(q.request) for q in bound),
+                            self.read_q_by_node()[node], self.free_hbm_bytes(j, bound))
+
+    def free_hbm_bytes(self, j: int, bound: list[_Request] | None = None) -> int:
+        """Decode instance `j`'s KV memory for new requests (see the module docstring)."""
+        if bound is None:
+            bound = [q for q in self._requests.values() if q.de is not None and q.de[0] == j]
+        sample = self.metrics.get((Role.DECODE.value, j), InstanceMetrics())
+        capacity = self.decode_kv_capacity_bytes or sample.kv_capacity_bytes
+        if capacity is None:
+            return UNLIMITED_HBM_BYTES
+        need = [q.de[1] for q in bound if q.de is not None]
+        if sample.kv_usage is None:
+            return max(0, capacity - sum(need))
+        unsent = sum(q.de[1] for q in bound if q.de is not None and not q.is_prefilled)
+        return max(0, int(capacity * (1.0 - min(1.0, max(0.0, sample.kv_usage)))) - unsent)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet placed on both sides."""
+        return self.sched.num_waiting
+
+    def snapshot(self, full_block_bytes: int) -> dict[str, Any]:
+        """Every number `/stats` and `/metrics` show (JSON-ready)."""
+        read_q = self.read_q_by_node()
+        c = self.counters
+        prefill = []
+        for i in range(self.num_prefill):
+            rep = self.prefill_report(i)
+            prefill.append({"index": i, "node": i, "in_flight": rep.num_seqs,
+                            "in_flight_tokens": rep.num_tokens, "read_queue_tokens": read_q[i],
+                            "metrics": _metrics_dict(self.metrics.get(("prefill", i)))})
+        decode = []
+        for j in range(self.num_decode):
+            rep = self.decode_report(j)
+            free = rep.free_hbm_bytes
+            decode.append({"index": j, "node": rep.node_id, "in_flight": rep.num_seqs,
+                           "in_flight_tokens": rep.num_tokens,
+                           "read_queue_tokens": rep.read_q_tokens,
+                           "free_kv_bytes": None if free == UNLIMITED_HBM_BYTES else free,
+                           "metrics": _metrics_dict(self.metrics.get(("decode", j)))})
+        return {
+            "waiting": self.num_waiting,
+            "requests_by_path": {p: c.requests_by_path[p] for p in ("pe", "de", "split", "none")},
+            "hit_blocks_by_side": {s: c.blocks_by_side[s] for s in ("pe", "de")},
+            "hit_bytes_by_side": {s: c.blocks_by_side[s] * full_block_bytes for s in ("pe", "de")},
+            "finished": c.num_finished, "aborted": c.num_aborted,
+            "prefill": prefill, "decode": decode,
+        }
+
+
+def _metrics_dict(sample: InstanceMetrics | None) -> dict[str, Any] | None:
+    if sample is None:
+        return None
+    return {"running": sample.running, "waiting": sample.waiting, "kv_usage": sample.kv_usage,
+            "kv_capacity_bytes": sample.kv_capacity_bytes}

@@ -1,0 +1,650 @@
+"""`dualpath route`: an OpenAI-compatible router in front of P prefill and D decode vLLM
+instances running `DualPathConnector`, deciding with the one `sched.scheduler.Scheduler`
+(`route_policy.RoutePolicy`; this module does the HTTP and nothing else decides).
+
+Per request (`/v1/completions`, `/v1/chat/completions`):
+1. the prompt's token ids from a prefill instance's `/tokenize` (instances in turn);
+2. its stored prefix: the connectors' block keys (the store's `StoreManifest`) looked up in
+   the `BlockStore`;
+3. the scheduler places it: a prefill and a decode instance and a `ReadPlan` (blocks
+   `[0, pe_blocks)` read by the prefill instance, the rest of the hits by the decode
+   instance); a request that cannot be placed yet waits, and is placed when a reply or a
+   metrics poll frees room, or answered 503 after `queue_timeout_s`;
+4. the client's body with `max_tokens` 1 (and `max_completion_tokens` 1 for chat), no
+   streaming, `n` 1 and `kv_transfer_params = RouteParams(...).to_params()` to the prefill
+   instance;
+5. the client's original body plus the prefill reply's `kv_transfer_params` (none if it had
+   none: the decode instance then recomputes) to the decode instance;
+6. the decode instance's reply back to the client (SSE passed through when streaming).
+
+Errors have OpenAI's shape: 400 for a bad body, 401 without the API key, 502 for an
+instance that is unreachable or fails (5xx), 504 for one that times out (both name the
+instance's URL), 503 when no instance could take the request in time; an instance's own 4xx
+is passed through. Each instance's `/metrics` is polled every `poll_interval_s` for its KV
+cache usage and capacity (the decode instances' free KV memory; absent values are tolerated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import logging
+import socket
+import uuid
+from collections import Counter
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    MutableMapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from dualpath.core.errors import SpecError
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.manifest import (
+    RouteParams,
+    StoreManifest,
+    max_hit_blocks,
+    prefix_keys,
+    stored_prefix_blocks,
+)
+from dualpath.integrations.vllm.route_policy import InstanceMetrics, Route, RoutePolicy
+from dualpath.sched.params import SchedulerParams
+from dualpath.sched.types import Role
+
+log = logging.getLogger("dualpath.route")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPEN_PATHS = ("/health", "/metrics")
+"""Served without the API key."""
+PREFILL_DROPPED = ("stream_options", "min_tokens", "max_completion_tokens")
+CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
+                        "chat_template_kwargs", "tools", "documents", "add_special_tokens")
+"""Chat fields that change the prompt's tokens, forwarded to `/tokenize`."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The instances, the store and the policy of one router."""
+
+    prefill: tuple[str, ...]
+    """Base URLs of the prefill instances (`http://host:port`)."""
+    decode: tuple[str, ...]
+    sides: tuple[str, ...]
+    """host:port of each decode instance's side channel (`RouteParams.de`)."""
+    store: Path
+    manifest: StoreManifest
+    params: SchedulerParams
+    mode: str
+    is_round_robin: bool = False
+    model: str | None = None
+    """The model name put in a request that names none (default: the instances' choice)."""
+    api_key: str | None = None
+    queue_timeout_s: float = 60.0
+    upstream_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    poll_interval_s: float = 0.5
+    decode_kv_capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise SpecError("route", "instances", (len(self.prefill), len(self.decode)),
+                            "needs at least one --prefill and one --decode")
+        if len(self.sides) != len(self.decode):
+            raise SpecError("route", "side", len(self.sides),
+                            f"one --side per --decode ({len(self.decode)} given)")
+        for url in (*self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise SpecError("route", "url", url, "must start with http:// or https://")
+        for side in self.sides:
+            host, _, port = side.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SpecError("route", "side", side, "must be HOST:PORT")
+        for name in ("queue_timeout_s", "upstream_timeout_s", "connect_timeout_s",
+                     "poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise SpecError("route", name, getattr(self, name), "must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.manifest.model
+
+
+class ApiError(Exception):
+    """An error reply in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": self.status}},
+                            status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+def parse_vllm_metrics(text: str, kv_bytes_per_token: float) -> InstanceMetrics:
+    """The loads a vLLM `/metrics` page shows (summed over its engines; KV usage the highest;
+    a quantity the page lacks is None)."""
+    running: float | None = None
+    waiting: float | None = None
+    usage: float | None = None
+    capacity: float | None = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:num_requests_running":
+                running = (running or 0.0) + s.value
+            elif s.name == "vllm:num_requests_waiting":
+                waiting = (waiting or 0.0) + s.value
+            elif s.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                usage = s.value if usage is None else max(usage, s.value)
+            elif s.name == "vllm:cache_config_info":
+                blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    capacity = (capacity or 0.0) + int(blocks) * int(size) * kv_bytes_per_token
+    return InstanceMetrics(
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        kv_usage=usage, kv_capacity_bytes=None if capacity is None else int(capacity))
+
+
+def prefill_body(body: dict[str, Any], is_chat: bool, params: RouteParams) -> dict[str, Any]:
+    """What the prefill instance gets: one token, no stream, one choice, the router's orders."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    out.update(max_tokens=1, stream=False, n=1, kv_transfer_params=params.to_params())
+    if is_chat:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    """The client's body with the prefill reply's `kv_transfer_params` (if it had any)."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if kv_transfer_params:
+        out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def _gen_tokens(body: dict[str, Any]) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad_request(f"{name} must be a non-negative integer", name)
+            return int(value)
+    return 0
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class Router:
+    """The policy, the store, the HTTP client and the requests waiting for a placement."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        m = cfg.manifest
+        self.policy = RoutePolicy(cfg.params, len(cfg.prefill), len(cfg.decode),
+                                  cfg.is_round_robin, cfg.decode_kv_capacity_bytes)
+        self.store = BlockStore(cfg.store, m.full_block_bytes, is_durable=False)
+        self.kv_bytes_per_token = m.full_block_bytes / m.block_size
+        self._ids = itertools.count(1)
+        self._tokenize_turn = itertools.count()
+        self._waiters: dict[int, asyncio.Future[Route]] = {}
+        self.upstream_errors: Counter[tuple[str, str]] = Counter()
+        """(role, url) -> errors (unreachable, timeout, 5xx) of that instance."""
+        self.poll_errors: Counter[tuple[str, str]] = Counter()
+        self.num_queue_timeouts = 0
+        self._client: httpx2.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- life ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        timeout = httpx2.Timeout(self.cfg.upstream_timeout_s, connect=self.cfg.connect_timeout_s)
+        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=256)
+        self._client = httpx2.AsyncClient(timeout=timeout, limits=limits)
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def client(self) -> httpx2.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("router not started")
+        return self._client
+
+    def instances(self) -> Iterator[tuple[Role, int, str]]:
+        for i, url in enumerate(self.cfg.prefill):
+            yield Role.PREFILL, i, url
+        for j, url in enumerate(self.cfg.decode):
+            yield Role.DECODE, j, url
+
+    # -- metrics polling -------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(role, i, url) for role, i, url in self.instances()))
+            self._place()
+            await asyncio.sleep(self.cfg.poll_interval_s)
+
+    async def poll(self, role: Role, index: int, url: str) -> None:
+        """One instance's `/metrics` into the policy (a failed poll keeps the last sample)."""
+        try:
+            resp = await self.client.get(f"{url}/metrics",
+                                         timeout=max(1.0, 2 * self.cfg.poll_interval_s))
+            resp.raise_for_status()
+            sample = parse_vllm_metrics(resp.text, self.kv_bytes_per_token)
+        except (httpx2.HTTPError, ValueError) as e:
+            self.poll_errors[(role.value, url)] += 1
+            log.debug("metrics of %s: %s", url, e)
+            return
+        self.policy.update_metrics(role, index, sample)
+
+    # -- placement -------------------------------------------------------------------------
+    def _place(self) -> None:
+        """Run the scheduler and wake the requests it placed."""
+        for route in self.policy.schedule():
+            fut = self._waiters.pop(route.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(route)
+
+    async def _placed(self, rid: int) -> Route:
+        fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = fut
+        self._place()
+        try:
+            return await asyncio.wait_for(fut, self.cfg.queue_timeout_s)
+        except TimeoutError:
+            self.num_queue_timeouts += 1
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f"no instance could take the request within "
+                           f"{self.cfg.queue_timeout_s:g} s", kind="server_error") from None
+        finally:
+            self._waiters.pop(rid, None)
+
+    def _release(self, rid: int, is_ok: bool) -> None:
+        if self.policy.is_known(rid):
+            if is_ok:
+                self.policy.finished(rid)
+            else:
+                self.policy.abort(rid)
+        self._place()
+
+    # -- upstream --------------------------------------------------------------------------
+    def _count_error(self, role: Role, url: str) -> None:
+        """One more failure of the instance `url` (an endpoint of it) belongs to."""
+        urls = self.cfg.prefill if role is Role.PREFILL else self.cfg.decode
+        base = next((u for u in urls if url == u or url.startswith(u + "/")), url)
+        self.upstream_errors[(role.value, base)] += 1
+
+    def _upstream_error(self, role: Role, url: str, exc: httpx2.HTTPError) -> ApiError:
+        self._count_error(role, url)
+        if isinstance(exc, httpx2.TimeoutException):
+            return ApiError(HTTPStatus.GATEWAY_TIMEOUT, f"{role.value} instance {url} timed "
+                            f"out: {type(exc).__name__}", kind="server_error")
+        return ApiError(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} unreachable: "
+                        f"{type(exc).__name__}: {exc}", kind="server_error")
+
+    def _check_reply(self, role: Role, url: str, resp: httpx2.Response) -> None:
+        """An instance's 4xx goes back to the client as it is; a 5xx is a 502."""
+        if resp.status_code < 400:
+            return
+        if resp.status_code >= 500:
+            self._count_error(role, url)
+            raise ApiError(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} failed: "
+                           f"HTTP {resp.status_code}: {resp.text[:500]}", kind="server_error")
+        raise _Passthrough(resp)
+
+    async def _post(self, role: Role, url: str, body: dict[str, Any]) -> httpx2.Response:
+        try:
+            resp = await self.client.post(url, json=body)
+        except httpx2.HTTPError as e:
+            raise self._upstream_error(role, url, e) from e
+        self._check_reply(role, url, resp)
+        return resp
+
+    # -- requests --------------------------------------------------------------------------
+    async def tokens(self, body: dict[str, Any], is_chat: bool) -> list[int]:
+        """The prompt's token ids (from a prefill instance's `/tokenize`, or the body's own)."""
+        req: dict[str, Any] = {}
+        model = body.get("model", self.cfg.model)
+        if model is not None:
+            req["model"] = model
+        if is_chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise bad_request("messages must be a non-empty list", "messages")
+            req["messages"] = messages
+            req.update({k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body})
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_ids(prompt):
+                prompt = prompt[0]
+            if _is_token_ids(prompt) and prompt:
+                return list(prompt)
+            if not isinstance(prompt, str) or not prompt:
+                raise bad_request("prompt must be one non-empty string or list of token ids "
+                                  "(the router routes one prompt per request)", "prompt")
+            req["prompt"] = prompt
+            if "add_special_tokens" in body:
+                req["add_special_tokens"] = body["add_special_tokens"]
+        prefill = self.cfg.prefill
+        url = prefill[next(self._tokenize_turn) % len(prefill)] + "/tokenize"
+        resp = await self._post(Role.PREFILL, url, req)
+        try:
+            ids = resp.json()["tokens"]
+        except (ValueError, KeyError, TypeError):
+            ids = None
+        if not _is_token_ids(ids):
+            self._count_error(Role.PREFILL, url)
+            raise ApiError(HTTPStatus.BAD_GATEWAY, f"prefill instance {url}: no token ids in "
+                           f"its reply", kind="server_error")
+        return list(ids)
+
+    def hit_blocks(self, tokens: Sequence[int]) -> int:
+        """The prompt's stored prefix in whole blocks, as the connectors will find it."""
+        m = self.cfg.manifest
+        keys = prefix_keys(m.namespace_bytes, tokens, m.block_size,
+                           max_hit_blocks(len(tokens), m.block_size))
+        return stored_prefix_blocks(keys, self.store.contains)
+
+    async def handle(self, body: Any, is_chat: bool) -> Response:
+        """One completion or chat request, routed (the module docstring's steps)."""
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        is_stream = body.get("stream", False)
+        if not isinstance(is_stream, bool):
+            raise bad_request("stream must be true or false", "stream")
+        if "model" not in body and self.cfg.model is not None:
+            body = {**body, "model": self.cfg.model}
+        gen = _gen_tokens(body)
+        tokens = await self.tokens(body, is_chat)
+        hit = await asyncio.to_thread(self.hit_blocks, tokens)
+        rid = next(self._ids)
+        self.policy.submit(rid, len(tokens), hit, gen)
+        is_handed_off = is_ok = False
+        try:
+            route = await self._placed(rid)
+            path = "/v1/chat/completions" if is_chat else "/v1/completions"
+            params = RouteParams(xfer=uuid.uuid4().hex, de=self.cfg.sides[route.decode],
+                                 hit_blocks=route.plan.num_hit_blocks,
+                                 pe_blocks=route.plan.num_pe_blocks)
+            pre = await self._post(Role.PREFILL, self.cfg.prefill[route.prefill] + path,
+                                   prefill_body(body, is_chat, params))
+            self.policy.prefill_done(rid)
+            self._place()
+            try:
+                kv = pre.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                kv = None
+            url = self.cfg.decode[route.decode] + path
+            out = decode_body(body, kv)
+            if not is_stream:
+                resp = await self._post(Role.DECODE, url, out)
+                is_ok = True
+                return Response(resp.content, status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type", "application/json"))
+            stream = await self._open_stream(url, out)
+            is_handed_off = True
+            return StreamingResponse(self._relay(rid, url, stream),
+                                     media_type=stream.headers.get("content-type",
+                                                                   "text/event-stream"))
+        finally:
+            if not is_handed_off:
+                self._release(rid, is_ok)
+
+    async def _open_stream(self, url: str, body: dict[str, Any]) -> httpx2.Response:
+        request = self.client.build_request("POST", url, json=body)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx2.HTTPError as e:
+            raise self._upstream_error(Role.DECODE, url, e) from e
+        if resp.status_code >= 400:
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+            self._check_reply(Role.DECODE, url, resp)
+        return resp
+
+    async def _relay(self, rid: int, url: str, resp: httpx2.Response) -> AsyncIterator[bytes]:
+        is_ok = False
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+            is_ok = True
+        except httpx2.HTTPError as e:
+            err = self._upstream_error(Role.DECODE, url, e)
+            payload = {"error": {"message": err.message, "type": err.kind, "param": None,
+                                 "code": err.status}}
+            yield f"data: {json.dumps(payload)}\n\n".encode()
+        finally:
+            await resp.aclose()
+            self._release(rid, is_ok)
+
+    async def models(self) -> Response:
+        url = self.cfg.prefill[0] + "/v1/models"
+        try:
+            resp = await self.client.get(url)
+        except httpx2.HTTPError as e:
+            raise self._upstream_error(Role.PREFILL, url, e) from e
+        self._check_reply(Role.PREFILL, url, resp)
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    # -- numbers ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """`/stats`: the policy's numbers with the instances' URLs and the error counts."""
+        snap = self.policy.snapshot(self.cfg.manifest.full_block_bytes)
+        for role, urls in (("prefill", self.cfg.prefill), ("decode", self.cfg.decode)):
+            for inst, url in zip(snap[role], urls, strict=True):
+                inst["url"] = url
+                inst["upstream_errors"] = self.upstream_errors[(role, url)]
+                inst["metrics_poll_errors"] = self.poll_errors[(role, url)]
+        for inst, side in zip(snap["decode"], self.cfg.sides, strict=True):
+            inst["side_channel"] = side
+        snap.update(mode=self.cfg.mode, model=self.cfg.model_name,
+                    queue_timeouts=self.num_queue_timeouts,
+                    block_size=self.cfg.manifest.block_size,
+                    full_block_bytes=self.cfg.manifest.full_block_bytes)
+        return snap
+
+
+class _Passthrough(Exception):
+    """An instance's own 4xx reply, returned to the client unchanged."""
+
+    def __init__(self, resp: httpx2.Response) -> None:
+        super().__init__(resp.status_code)
+        self.resp = resp
+
+
+class _RouterCollector(Collector):
+    """`dualpath_router:*` from `Router.stats()` at scrape time (so they match `/stats`)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.router.stats()
+        model = [s["model"]]
+
+        def family(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str,
+                   doc: str, labels: Sequence[str],
+                   rows: Sequence[tuple[Sequence[str], float]]) -> Metric:
+            f = kind(f"dualpath_router:{name}", doc, labels=["model_name", *labels])
+            for values, value in rows:
+                f.add_metric([*model, *values], value)
+            return f
+
+        yield family(CounterMetricFamily, "requests", "Requests placed, per read path "
+                     "(pe, de, split: both sides read, none: no stored prefix).", ["path"],
+                     [((p,), n) for p, n in s["requests_by_path"].items()])
+        yield family(CounterMetricFamily, "hit_blocks", "Stored KV blocks assigned to each "
+                     "read side.", ["side"],
+                     [((k,), n) for k, n in s["hit_blocks_by_side"].items()])
+        yield family(CounterMetricFamily, "hit_bytes", "Stored KV bytes assigned to each read "
+                     "side.", ["side"], [((k,), n) for k, n in s["hit_bytes_by_side"].items()])
+        yield family(CounterMetricFamily, "finished_requests", "Requests answered.", [],
+                     [((), s["finished"])])
+        yield family(CounterMetricFamily, "aborted_requests", "Requests ended by an error, a "
+                     "timeout or a client gone.", [], [((), s["aborted"])])
+        yield family(CounterMetricFamily, "queue_timeouts", "Requests no instance took in "
+                     "time (503).", [], [((), s["queue_timeouts"])])
+        yield family(GaugeMetricFamily, "waiting_requests", "Requests not yet placed.", [],
+                     [((), s["waiting"])])
+        instances = [(role, inst) for role in ("prefill", "decode") for inst in s[role]]
+        labels = ["role", "instance", "node"]
+
+        def rows(key: str) -> list[tuple[Sequence[str], float]]:
+            return [((role, inst["url"], str(inst["node"])), inst[key])
+                    for role, inst in instances if inst.get(key) is not None]
+
+        yield family(GaugeMetricFamily, "read_queue_tokens", "Hit tokens queued on the node's "
+                     "storage NIC (requests whose prefill has not replied).", labels,
+                     rows("read_queue_tokens"))
+        yield family(GaugeMetricFamily, "in_flight_requests", "Requests routed to the "
+                     "instance and not done with it.", labels, rows("in_flight"))
+        yield family(GaugeMetricFamily, "in_flight_tokens", "Prompt tokens of those "
+                     "requests.", labels, rows("in_flight_tokens"))
+        yield family(GaugeMetricFamily, "free_kv_bytes", "A decode instance's KV memory for "
+                     "new requests (when its capacity is known).", labels, rows("free_kv_bytes"))
+        yield family(CounterMetricFamily, "upstream_errors", "Failures of the instance "
+                     "(unreachable, timed out, 5xx).", labels, rows("upstream_errors"))
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class _KeyGuard:
+    """ASGI middleware: `Authorization: Bearer <key>` on every path but `OPEN_PATHS`."""
+
+    def __init__(self, app: AsgiApp, key: str) -> None:
+        self.app = app
+        self.key = b"Bearer " + key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not str(scope.get("path", "")).startswith(OPEN_PATHS):
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.key):
+                resp = ApiError(HTTPStatus.UNAUTHORIZED, "a valid API key is needed: "
+                                "Authorization: Bearer <key>").response()
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not JSON: {e}") from e
+
+
+def make_app(router: Router) -> FastAPI:
+    """The router's FastAPI app (its lifespan starts and stops the router)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="dualpath route", lifespan=lifespan)
+    registry = CollectorRegistry()
+    registry.register(_RouterCollector(router))
+    if router.cfg.api_key:
+        app.add_middleware(_KeyGuard, key=router.cfg.api_key)
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def passthrough(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, _Passthrough)
+        return Response(exc.resp.content, status_code=exc.resp.status_code,
+                        media_type=exc.resp.headers.get("content-type", "application/json"))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(_Passthrough, passthrough)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle(await _body(request), is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle(await _body(request), is_chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return JSONResponse(router.stats())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def make_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for `app`; run it with `server.run(sockets=[bind(host, port)])`."""
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                         timeout_keep_alive=5))

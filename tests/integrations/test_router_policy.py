@@ -1,0 +1,177 @@
+"""The router's decisions (`integrations.vllm.route_policy.RoutePolicy`), without HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.route_policy import (
+    InstanceMetrics,
+    RoutePolicy,
+    route_params,
+)
+from dualpath.sched.params import PathMode
+from dualpath.sched.types import Role
+
+BS = 4
+KV = 10.0  # bytes per token
+
+
+def policy(mode: str, num_prefill: int = 1, num_decode: int = 1, beta: float = 1e9,
+           capacity: int | None = None) -> RoutePolicy:
+    params, rr = route_params(mode, BS, KV, alpha_tokens=1e9, beta_tokens=beta)
+    return RoutePolicy(params, num_prefill, num_decode, rr, capacity)
+
+
+def place(p: RoutePolicy, rid: int, prompt: int = 40, hit: int = 4, gen: int = 0) -> None:
+    p.submit(rid, prompt, hit, gen)
+
+
+def assert_idle(p: RoutePolicy) -> None:
+    assert p.num_waiting == 0
+    assert all(v == 0 for v in p.read_q_by_node().values())
+    for i in range(p.num_prefill):
+        rep = p.prefill_report(i)
+        assert (rep.num_seqs, rep.num_tokens) == (0, 0)
+    for j in range(p.num_decode):
+        rep = p.decode_report(j)
+        assert (rep.num_seqs, rep.num_tokens) == (0, 0)
+
+
+def test_modes_map_to_the_paper_switches() -> None:
+    basic, rr = route_params("basic", BS, KV)
+    assert basic.path_mode is PathMode.PE and rr
+    dual, rr = route_params("dualpath", BS, KV)
+    assert dual.path_mode is PathMode.DUAL and not rr
+    split, rr = route_params("split", BS, KV)
+    assert split.path_mode is PathMode.SPLIT and not rr
+    # alpha: 3 s of the storage NIC (100 Gb/s = 12.5e9 B/s) over 10 B/token.
+    assert dual.alpha_tokens == pytest.approx(12.5e9 * 3 / KV)
+    assert dual.block_size_tokens == BS and dual.kv_bytes_per_token == KV
+    with pytest.raises(SpecError, match="mode"):
+        route_params("oracle", BS, KV)
+
+
+def test_basic_always_reads_on_the_pe_side() -> None:
+    p = policy("basic")
+    for rid in range(1, 5):
+        place(p, rid)
+    routes = p.schedule()
+    assert [r.request_id for r in routes] == [1, 2, 3, 4]
+    assert all(r.plan.num_pe_blocks == r.plan.num_hit_blocks == 4 for r in routes)
+    assert {r.path for r in routes} == {"pe"}
+    assert p.read_q_by_node() == {0: 4 * 4 * BS, 1: 0}
+
+
+def test_basic_round_robins_over_prefill_and_decode_instances() -> None:
+    p = policy("basic", num_prefill=2, num_decode=2)
+    for rid in range(1, 5):
+        place(p, rid)
+    routes = p.schedule()
+    # Decode groups in turn by arrival; the PE queue holds them in DE-fetch order (group 0's
+    # first), and the prefill instances take that queue in turn.
+    assert {r.request_id: r.decode for r in routes} == {1: 0, 2: 1, 3: 0, 4: 1}
+    assert [r.request_id for r in routes] == [1, 3, 2, 4]
+    assert [r.prefill for r in routes] == [0, 1, 0, 1]
+
+
+def test_dualpath_reads_on_the_de_side_when_the_pe_queue_is_longer() -> None:
+    p = policy("dualpath")
+    place(p, 1)
+    (first,) = p.schedule()
+    assert first.path == "pe"  # equal (empty) queues: the PE side
+    assert p.read_q_by_node() == {0: 4 * BS, 1: 0}
+    place(p, 2)
+    (second,) = p.schedule()
+    assert second.path == "de" and second.plan.num_pe_blocks == 0
+    assert second.plan.num_de_blocks == 4
+    assert p.read_q_by_node() == {0: 4 * BS, 1: 4 * BS}
+    # Once the first prefill replies its PE-side read is done: the PE queue is shorter again.
+    p.prefill_done(1)
+    place(p, 3)
+    (third,) = p.schedule()
+    assert third.path == "pe"
+    assert p.counters.requests_by_path == {"pe": 2, "de": 1}
+    assert p.counters.blocks_by_side == {"pe": 8, "de": 4}
+
+
+def test_dualpath_balances_prefill_instances_by_tokens() -> None:
+    p = policy("dualpath", num_prefill=2)
+    place(p, 1, prompt=400, hit=0)
+    place(p, 2, prompt=40, hit=0)
+    place(p, 3, prompt=40, hit=0)
+    routes = p.schedule()
+    assert [r.prefill for r in routes] == [0, 1, 1]
+    assert all(r.path == "none" for r in routes)
+
+
+def test_split_splits_one_read_across_both_sides() -> None:
+    p = policy("split")
+    place(p, 1, hit=2)
+    (first,) = p.schedule()
+    assert first.plan.num_pe_blocks == 1 and first.plan.num_de_blocks == 1
+    assert first.path == "split"
+    place(p, 2, hit=4)
+    (second,) = p.schedule()
+    # Both queues hold one block: four more drain together at two a side.
+    assert second.plan.num_pe_blocks == 2 and second.plan.num_de_blocks == 2
+    assert p.read_q_by_node() == {0: 3 * BS, 1: 3 * BS}
+
+
+def test_overloaded_prefill_waits_and_is_released_by_a_reply() -> None:
+    p = policy("dualpath", beta=30)
+    place(p, 1, prompt=40)
+    place(p, 2, prompt=40)
+    routes = p.schedule()
+    assert [r.request_id for r in routes] == [1]  # tok 0 <= 30 took it; then 40 > 30
+    assert p.num_waiting == 1 and p.schedule() == []
+    p.prefill_done(1)  # the prefill instance's load falls back to 0
+    (second,) = p.schedule()
+    assert second.request_id == 2
+    p.finished(1)
+    p.prefill_done(2)
+    p.finished(2)
+    assert_idle(p)
+
+
+def test_decode_admission_waits_for_kv_memory() -> None:
+    # Capacity 500 B: a 40-token prompt with 5 generated tokens needs 450 B.
+    p = policy("dualpath", capacity=500)
+    place(p, 1, gen=5)
+    place(p, 2, gen=5)
+    assert [r.request_id for r in p.schedule()] == [1]
+    assert p.decode_report(0).free_hbm_bytes == 50
+    # The decode instance reports its usage: the request there is counted by vLLM now.
+    p.prefill_done(1)
+    p.update_metrics(Role.DECODE, 0, InstanceMetrics(kv_usage=0.5))
+    assert p.decode_report(0).free_hbm_bytes == 250
+    assert p.schedule() == []
+    p.finished(1)
+    p.update_metrics(Role.DECODE, 0, InstanceMetrics(kv_usage=0.0))
+    assert [r.request_id for r in p.schedule()] == [2]
+
+
+def test_accounting_returns_to_zero_after_aborts_anywhere() -> None:
+    p = policy("dualpath", beta=30)
+    place(p, 1)
+    place(p, 2)  # bound to the decode instance, waiting for the prefill instance
+    place(p, 3)
+    assert len(p.schedule()) == 1
+    assert p.decode_report(0).num_seqs == 3
+    assert p.abort(2) is True  # still waiting: dropped from the scheduler's queue
+    assert p.abort(1) is False  # placed: its seats are freed
+    assert p.decode_report(0).num_seqs == 1
+    (third,) = p.schedule()
+    assert third.request_id == 3
+    p.prefill_done(3)
+    assert p.abort(3) is False
+    assert p.abort(3) is False  # twice is harmless
+    assert_idle(p)
+    assert p.counters.num_aborted == 3
+
+
+def test_submitting_an_id_twice_is_refused() -> None:
+    p = policy("dualpath")
+    place(p, 1)
+    with pytest.raises(SpecError, match="twice"):
+        place(p, 1)
