@@ -175,3 +175,14 @@ def test_submitting_an_id_twice_is_refused() -> None:
     place(p, 1)
     with pytest.raises(SpecError, match="twice"):
         place(p, 1)
+
+
+def test_forced_read_side_overrides_the_plan_and_its_read_queues() -> None:
+    params, rr = route_params("dualpath", BS, KV, alpha_tokens=1e9)
+    p = RoutePolicy(params, 1, 1, rr, forced_read_side="de")
+    place(p, 1)
+    (route,) = p.schedule()
+    assert route.path == "de" and route.plan.num_de_blocks == 4
+    assert p.read_q_by_node() == {0: 0, 1: 4 * BS}
+    with pytest.raises(SpecError, match="force_read_side"):
+        RoutePolicy(params, 1, 1, rr, forced_read_side="both")

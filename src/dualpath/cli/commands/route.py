@@ -58,6 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = p.add_argument_group("policy")
     s.add_argument("--mode", choices=ROUTE_MODES, default="dualpath",
                    help="scheduling mode (default: %(default)s)")
+    s.add_argument("--force-read-side", choices=("pe", "de"), help="read every hit on this "
+                   "side whatever the mode chose (a diagnostic: shows one path alone)")
     s.add_argument("--alpha-tokens", type=float, metavar="T", help="a node's read queue is "
                    "short while at most T tokens (default: 3 s of --storage-gbps reads)")
     s.add_argument("--storage-gbps", type=float, default=DEFAULT_STORAGE_GBPS, metavar="G",
@@ -125,7 +127,7 @@ def route(args: argparse.Namespace) -> int:
         model=args.model, api_key=args.api_key or None, queue_timeout_s=args.queue_timeout,
         upstream_timeout_s=args.upstream_timeout, poll_interval_s=args.poll_interval,
         decode_kv_capacity_bytes=None if args.decode_kv_gib is None
-        else int(args.decode_kv_gib * 2**30))
+        else int(args.decode_kv_gib * 2**30), forced_read_side=args.force_read_side)
     router = Router(cfg)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

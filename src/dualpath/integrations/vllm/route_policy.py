@@ -128,10 +128,16 @@ class RoutePolicy:
 
     def __init__(self, params: SchedulerParams, num_prefill: int, num_decode: int,
                  is_round_robin: bool = False,
-                 decode_kv_capacity_bytes: int | None = None) -> None:
+                 decode_kv_capacity_bytes: int | None = None,
+                 forced_read_side: str | None = None) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise SpecError("route", "instances", (num_prefill, num_decode),
                             "needs at least one prefill and one decode instance")
+        if forced_read_side not in (None, "pe", "de"):
+            raise SpecError("route", "force_read_side", forced_read_side, "must be pe or de")
+        self.forced_read_side = forced_read_side
+        """"pe" / "de": every hit is read on that side whatever the policy chose (a
+        diagnostic switch, like the runtime's; the placement of engines is unchanged)."""
         self.params = params
         self.num_prefill = num_prefill
         self.num_decode = num_decode
@@ -206,7 +212,12 @@ class RoutePolicy:
             req = self._requests[a.request_id]
             if a.read is None or req.de is None:
                 raise RuntimeError(f"request {a.request_id}: placed without its decode instance")
-            route = Route(a.request_id, a.engine_id, req.de[0], a.read)
+            plan = a.read
+            if self.forced_read_side is not None:
+                plan = ReadPlan(plan.pe_node_id, plan.de_node_id, plan.num_hit_blocks,
+                                plan.num_hit_blocks if self.forced_read_side == "pe" else 0,
+                                plan.block_size_tokens)
+            route = Route(a.request_id, a.engine_id, req.de[0], plan)
             req.route = route
             self.counters.requests_by_path[route.path] += 1
             self.counters.blocks_by_side["pe"] += route.plan.num_pe_blocks

@@ -103,6 +103,8 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     poll_interval_s: float = 0.5
     decode_kv_capacity_bytes: int | None = None
+    forced_read_side: str | None = None
+    """"pe" / "de": every hit read on that side (`--force-read-side`)."""
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -213,7 +215,8 @@ class Router:
         self.cfg = cfg
         m = cfg.manifest
         self.policy = RoutePolicy(cfg.params, len(cfg.prefill), len(cfg.decode),
-                                  cfg.is_round_robin, cfg.decode_kv_capacity_bytes)
+                                  cfg.is_round_robin, cfg.decode_kv_capacity_bytes,
+                                  cfg.forced_read_side)
         self.store = BlockStore(cfg.store, m.full_block_bytes, is_durable=False)
         self.kv_bytes_per_token = m.full_block_bytes / m.block_size
         self._ids = itertools.count(1)
