@@ -14,7 +14,11 @@ the read path forced per request:
 5. turn 2, DE read path (the decode server reads it into its staging buffer, the prefill
    server pulls it layer by layer over NIXL; only the rest goes back);
 6. turn 2, split (block 0 on the PE side, the rest on the DE side);
-7. one stored block corrupted, turn 2 on the DE path again: recomputed.
+7. one stored block corrupted, turn 2 on the DE path again: recomputed;
+8. through `dualpath route` (three router processes on the same cluster, the `openai` client):
+   a chat conversation's turn 2 in `basic` (PE path) and with `--force-read-side de` gives the
+   same reply; two concurrent turn-2 requests in `dualpath` mode: the second, arriving while
+   the first's PE-side read is queued, takes the DE path (the shorter read queue).
 
 Pass: every turn-2 reply equals the reference token for token (greedy), the cached-token counts
 and the connectors' event logs show where each block came from. Prints JSON; non-zero exit on a
@@ -26,11 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,11 @@ SYSTEM = (
 )
 USER_1 = "Explain why reading a cached prefix from storage can be faster than recomputing it."
 USER_2 = "Now summarise that answer in two sentences."
+REPO = Path(__file__).resolve().parents[1]
+ROUTER_PYTHON = str(REPO / ".venv" / "bin" / "python") \
+    if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+"""`dualpath route` runs in the main venv (`make setup`; the vLLM venv lacks dualpath's own
+dependencies such as matplotlib); the vLLM servers run in this one."""
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -99,6 +112,77 @@ def pd_turn(cluster: VllmCluster, model: str, prompt: list[int], max_tokens: int
             "prefill_s": round(t1 - t0, 2), "total_s": round(t2 - t0, 2)}
 
 
+@contextmanager
+def router(cluster: VllmCluster, store: Path, *flags: str) -> Iterator[str]:
+    """A `dualpath route` process over the cluster; yields its base URL."""
+    from dualpath.integrations.vllm.launch import free_port
+
+    port = free_port()
+    cmd = [ROUTER_PYTHON, "-m", "dualpath.cli.main", "route", "--store", str(store),
+           "--port", str(port), *flags]
+    for inst in cluster.prefill:
+        cmd += ["--prefill", inst.url]
+    for inst in cluster.decode:
+        cmd += ["--decode", inst.url, "--side", str(inst.side_channel)]
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"dualpath route exited with {proc.returncode}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/stats", timeout=10) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def router_phase(cluster: VllmCluster, store: Path, model: str) -> dict[str, Any]:
+    """Step 8: the router, driven by the `openai` client."""
+    from openai import OpenAI
+
+    def chat(url: str, messages: list[dict[str, str]], n: int) -> str:
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        r = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=n, temperature=0.0)
+        return r.choices[0].message.content or ""
+
+    turn1: list[dict[str, str]] = [{"role": "system", "content": SYSTEM},
+                                   {"role": "user", "content": USER_1}]
+    out: dict[str, Any] = {}
+    with router(cluster, store, "--mode", "basic") as basic, \
+            router(cluster, store, "--mode", "dualpath", "--force-read-side", "de") as de, \
+            router(cluster, store, "--mode", "dualpath") as dual:
+        reply1 = chat(basic, turn1, 32)
+        turn2 = [*turn1, {"role": "assistant", "content": reply1},
+                 {"role": "user", "content": USER_2}]
+        out["reply2_basic"] = chat(basic, turn2, 16)
+        out["reply2_de"] = chat(de, turn2, 16)
+        out["stats_basic"] = stats(basic)
+        out["stats_de"] = stats(de)
+        replies: list[str] = []
+        threads = [threading.Thread(target=lambda: replies.append(chat(dual, turn2, 4)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        out["replies_dual"] = replies
+        out["stats_dual"] = stats(dual)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="an HF-style Llama folder (default: converted SmolLM2)")
@@ -143,6 +227,8 @@ def main() -> int:
             victim.write_bytes(bytes(data))
             runs["de_corrupt"] = pd_turn(cluster, model, p2, args.turn2_tokens, hit, 0)
             rewritten = store.get_into(keys[hit - 1], bytearray(store.full_block_bytes))
+            n_pulls = sum(e["event"] == "pull" for e in cluster.prefill[0].events())
+            routed = router_phase(cluster, spec.store, model)
             events = {i.name: i.events() for i in cluster.instances}
     ref = runs["recompute"]["out"]
     pulls = [e for e in events["prefill0"] if e["event"] == "pull"]
@@ -164,13 +250,25 @@ def main() -> int:
             e["ok"] == hit and e["blocks"] == hit for e in pulls),
         "corrupt block: one pull stopped short": any(e["ok"] == hit - 1 for e in pulls),
         "corrupt block rewritten by the decode server": rewritten,
+        "router: turn 2 through basic (PE) = through the DE path": (
+            routed["reply2_basic"] == routed["reply2_de"] != ""),
+        "router basic: every hit read on the PE side": (
+            routed["stats_basic"]["hit_blocks_by_side"]["de"] == 0
+            and routed["stats_basic"]["hit_blocks_by_side"]["pe"] >= 1),
+        "router --force-read-side de: the hit read on the DE side": (
+            routed["stats_de"]["requests_by_path"]["de"] == 1),
+        "router: the DE path pulled over NIXL": any(
+            e["ok"] >= 1 for e in pulls[n_pulls:]),
+        "router dualpath: of two concurrent requests one took the DE path": (
+            routed["stats_dual"]["requests_by_path"]["de"] >= 1
+            and len(set(routed["replies_dual"])) == 1),
     }
     summary = {"startup_s": startup_s, "block_size": bs, "turn1_prompt_tokens": len(p1),
                "turn2_prompt_tokens": len(p2), "hit_blocks": hit,
                "runs": {k: {x: v for x, v in r.items() if x != "out"} for k, r in runs.items()},
                "pulls": pulls, "pushes": pushes,
                "decode_events": [e for e in events["decode0"] if e["event"] != "save"][-8:],
-               "turn2_text": tok.decode(ref), "checks": checks}
+               "turn2_text": tok.decode(ref), "router": routed, "checks": checks}
     print(json.dumps(summary, indent=1))
     return 0 if all(checks.values()) else 1
 

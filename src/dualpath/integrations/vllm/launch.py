@@ -25,6 +25,23 @@ from pathlib import Path
 from typing import IO, Any
 
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""ChatML, SmolLM2-Instruct's chat format, for model folders without a template of their own
+(the GGUF-converted SmolLM2 folder has no `tokenizer_config.json`)."""
+
+
+def has_chat_template(model: str) -> bool:
+    """Whether an HF-style folder carries a chat template vLLM will find."""
+    folder = Path(model)
+    if (folder / "chat_template.jinja").exists():
+        return True
+    config = folder / "tokenizer_config.json"
+    with contextlib.suppress(OSError, ValueError):
+        return "chat_template" in json.loads(config.read_text(encoding="utf-8"))
+    return False
 
 
 class LaunchError(RuntimeError):
@@ -55,6 +72,8 @@ class ClusterSpec:
     durable: bool = False
     event_logs: bool = True
     startup_timeout_s: float = 600.0
+    chat_template: Path | None = None
+    """A Jinja file; default: ChatML when the model folder has no template."""
     extra_args: tuple[str, ...] = ()
 
 
@@ -100,13 +119,15 @@ def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
             "kv_connector_extra_config": extra}
 
 
-def server_command(spec: ClusterSpec, port: int, config: dict[str, Any]) -> list[str]:
+def server_command(spec: ClusterSpec, port: int, config: dict[str, Any],
+                   chat_template: Path | None = None) -> list[str]:
+    template = ["--chat-template", str(chat_template)] if chat_template is not None else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", spec.model, "--tokenizer", spec.model, "--dtype", "float32",
             "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
             "--host", "127.0.0.1", "--port", str(port),
-            "--kv-transfer-config", json.dumps(config), *spec.extra_args]
+            "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
 
 
 class VllmCluster:
@@ -134,6 +155,10 @@ class VllmCluster:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        template = spec.chat_template
+        if template is None and not has_chat_template(spec.model):
+            template = log_dir / "chatml.jinja"
+            template.write_text(CHATML_TEMPLATE, encoding="utf-8")
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         counts = {"prefill": 0, "decode": 0}
         try:
@@ -145,7 +170,8 @@ class VllmCluster:
                 events = log_dir / f"{name}.events.jsonl" if spec.event_logs else None
                 log_path = log_dir / f"{name}.log"
                 log = log_path.open("wb")
-                cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events))
+                cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events),
+                                     template)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
                 self.instances.append(Instance(name, role, port, side, proc, log_path, events,
