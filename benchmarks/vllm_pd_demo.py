@@ -188,6 +188,8 @@ def main() -> int:
     ap.add_argument("--model", help="an HF-style Llama folder (default: converted SmolLM2)")
     ap.add_argument("--turn1-tokens", type=int, default=64)
     ap.add_argument("--turn2-tokens", type=int, default=16)
+    ap.add_argument("--workdir", type=Path, help="keep the store, logs and event logs here "
+                    "(default: a temporary folder, removed)")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
@@ -197,7 +199,8 @@ def main() -> int:
     text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{USER_1}<|im_end|>\n"
     p1 = list(tok.encode(text + "<|im_start|>assistant\n"))
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-pd-") as tmp:
-        spec = ClusterSpec(model=args.model, store=Path(tmp) / "store", python=sys.executable,
+        work = args.workdir or Path(tmp)
+        spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            extra_args=("--enable-prompt-tokens-details",
                                        "--served-model-name", "smollm2"))
         t = time.perf_counter()

@@ -21,9 +21,9 @@ def route(hit: int, pe: int, tokens: int = 0) -> RouteParams:
     return RouteParams(xfer="x1", de="127.0.0.1:9", hit_blocks=hit, pe_blocks=pe, tokens=tokens)
 
 
-def planner(tmp_path: Path, role: str) -> tuple[Planner, BlockStore]:
+def planner(tmp_path: Path, role: str, async_loads: bool = False) -> tuple[Planner, BlockStore]:
     store = BlockStore(tmp_path, 8, is_durable=False)
-    return Planner(BS, NS, store.contains, role=role), store
+    return Planner(BS, NS, store.contains, role=role, async_loads=async_loads), store
 
 
 def test_prefill_splits_the_hit_between_the_store_and_the_decode_side(tmp_path: Path) -> None:
@@ -47,6 +47,33 @@ def test_prefill_splits_the_hit_between_the_store_and_the_decode_side(tmp_path: 
     assert push.hit_blocks == 3
     assert plan.saves == []  # the decode instance persists
     assert p.finished_params("r") == route(3, 1, tokens=len(TOKENS)).to_params()
+
+
+def test_prefill_background_loads_are_planned_at_allocation(tmp_path: Path) -> None:
+    p, _ = planner(tmp_path, "prefill", async_loads=True)
+    p.add_request("r", TOKENS, route(hit=3, pe=1))
+    assert p.is_async("r")
+    assert p.match("r", 0) == 3 * BS
+    with pytest.raises(ValueError, match="block ids"):
+        p.after_alloc("r", 3 * BS)
+    p.after_alloc("r", 3 * BS, [10, 11, 12])  # vLLM: the request waits for its KV
+    plan = p.take_plan()
+    (pe_load,) = plan.async_loads
+    (de_load,) = plan.async_remote_loads
+    assert (pe_load.first_block, pe_load.block_ids) == (0, (10,))
+    assert (de_load.blocks.first_block, de_load.blocks.block_ids) == (1, (11, 12))
+    assert plan.loads == [] and plan.remote_loads == [] and plan.pushes == []
+    # vLLM asks again only when that load failed (or a preemption): recompute, never a loop.
+    assert p.match("r", 0) == 0
+    # Loaded: scheduled with the hit computed; nothing is loaded again, the prefill pushes.
+    p.schedule_new("r", [10, 11, 12, 13, 14], 3 * BS, len(TOKENS) - 3 * BS)
+    plan = p.take_plan()
+    assert plan.async_loads == [] and plan.loads == [] and plan.remote_loads == []
+    assert [x.block_indices for x in plan.pushes] == [(0, 3, 4)]
+    # A request without the router's orders (or on another role) loads in its step.
+    q, _ = planner(tmp_path / "q", "decode", async_loads=True)
+    q.add_request("r", TOKENS, route(hit=3, pe=1))
+    assert not q.is_async("r")
 
 
 def test_prefill_pushes_once_and_again_after_a_recompute(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ into a load error (a recompute), never into wrong bytes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
 from dualpath.integrations.vllm.nixl_link import NixlLink
+from dualpath.integrations.vllm.pacing import ReadPacer
 from dualpath.integrations.vllm.plan import (
     BlockTransfer,
     Push,
@@ -30,9 +32,10 @@ from dualpath.integrations.vllm.plan import (
     StepPlan,
     XferLoad,
 )
-from dualpath.integrations.vllm.remote import DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
 from dualpath.integrations.vllm.side_channel import (
     DecodeSideChannel,
+    SideChannelClient,
     SideChannelError,
     StagingPool,
 )
@@ -196,6 +199,21 @@ def test_decode_side_lacking_a_block_reports_it(pair: Pair) -> None:
     assert p.d_worker.take_load_errors() == {4}
 
 
+def test_a_peer_agent_is_added_once_whatever_the_connections(pair: Pair) -> None:
+    p = pair
+    added: list[bytes] = []
+    channel = DecodeSideChannel("127.0.0.1:0", p.pool, p.store, p.d_link.metadata(),
+                                lambda m: added.append(m) or "peer", {"full_block_bytes": FULL})
+    clients = [SideChannelClient(channel.address) for _ in range(3)]
+    for c in clients:
+        assert c.hello(b"agent-a")["full_block_bytes"] == FULL
+    clients[0].hello(b"")
+    assert added == [b"agent-a"]
+    for c in clients:
+        c.close()
+    channel.close()
+
+
 def test_staging_pool_expires_the_oldest_transfer_when_full() -> None:
     pool = StagingPool(3, 16, ttl_s=3600)
     pool.alloc("a", [0, 1])
@@ -204,3 +222,43 @@ def test_staging_pool_expires_the_oldest_transfer_when_full() -> None:
     assert pool.num_expired == 1 and pool.lookup("a", [0]) == [None]
     with pytest.raises(SideChannelError, match="full"):
         pool.alloc("d", [0, 1, 2, 3])
+
+
+def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:
+    p = pair
+    de = p.channel.address
+    p.p_worker.register(p.p_kv)
+    loader = AsyncLoader(p.p_worker, p.prefill)
+    p.store.remove(KEYS[2])  # the DE part's second block is gone
+    plan = StepPlan(
+        async_loads=[BlockTransfer("r", 0, (5,), (KEYS[0],))],
+        async_remote_loads=[RemoteLoad("x", de, BlockTransfer("r", 1, (1, 6), tuple(KEYS[1:3])))])
+    loader.submit(plan)
+    deadline = time.monotonic() + 30
+    done: set[str] = set()
+    errors: set[int] = set()
+    while not done and time.monotonic() < deadline:
+        errors |= loader.take_errors()
+        done |= loader.take_finished()
+        time.sleep(0.01)
+    errors |= loader.take_errors()
+    assert done == {"r"} and errors == {6}  # finished, block 6 (request block 2) recomputed
+    for i, name in enumerate(LAYERS):
+        assert same(p.p_kv[name][5], page_of(p.stored[0], i))
+        assert same(p.p_kv[name][1], page_of(p.stored[1], i))
+    # The push after the recompute carries the block the decode side could not stage.
+    prefill_step(p, StepPlan(pushes=[Push("x", de, "r", (0,), (5, 1, 6), hit_blocks=3)]),
+                 {6: torch.randint(0, 255, (FULL,), dtype=torch.uint8)})
+    assert p.p_worker.counters.pushed_blocks == 2  # blocks 0 and 2
+    loader.close()
+
+
+def test_read_pacer_holds_reads_to_the_emulated_rate() -> None:
+    pacer = ReadPacer(0.08)  # 10 MB/s
+    t0 = time.monotonic()
+    for _ in range(4):
+        pacer.charge(250_000)  # 4 x 25 ms
+    assert time.monotonic() - t0 >= 0.095
+    assert pacer.num_bytes == 1_000_000
+    with pytest.raises(ValueError, match="storage_read_gbps"):
+        ReadPacer(0)

@@ -40,8 +40,9 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.nixl_link import NixlLink
+from dualpath.integrations.vllm.pacing import ReadPacer
 from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
-from dualpath.integrations.vllm.remote import DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
 from dualpath.integrations.vllm.side_channel import DecodeSideChannel, StagingPool
 
 if TYPE_CHECKING:
@@ -117,16 +118,21 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._decode: DecodeRemote | None = None
         self._side_channel: DecodeSideChannel | None = None
         self._link: NixlLink | None = None
+        self._loader: AsyncLoader | None = None
+        gbps = extra.get_from_extra_config("storage_read_gbps", None)
+        self._pacer = ReadPacer(float(gbps)) if gbps else None
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = Planner(layout.block_size, layout.namespace, self._store.contains,
-                                    role=self._pd_role)
+            self._planner = Planner(
+                layout.block_size, layout.namespace, self._store.contains, role=self._pd_role,
+                async_loads=bool(extra.get_from_extra_config("async_loads", True)))
             StoreManifest(namespace=layout.namespace.hex(),
                           model=str(vllm_config.model_config.model),
                           block_size=layout.block_size,
                           full_block_bytes=self._store.full_block_bytes).write(store_path)
         else:
             self._worker = KVWorker(self._store, layout.layer_names, layout.page_bytes,
-                                    event_log=extra.get_from_extra_config("event_log", None))
+                                    event_log=extra.get_from_extra_config("event_log", None),
+                                    pacer=self._pacer, log=self._worker.log_event)
             if self._pd_role == "decode":
                 self._start_side_channel(extra)
             self._worker.log_event({"event": "init", "role": self._pd_role,
@@ -157,17 +163,24 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side_channel = DecodeSideChannel(
             str(address), pool, self._store, self._link.metadata(), self._link.connect,
             {"full_block_bytes": self._store.full_block_bytes,
-             "namespace": self._layout.namespace.hex(), "num_slots": pool.num_slots})
+             "namespace": self._layout.namespace.hex(), "num_slots": pool.num_slots},
+            pacer=self._pacer)
         self._decode = DecodeRemote(self._worker, pool)
         logger.info("DualPathConnector: side channel on %s, %d staging blocks (%d MiB)",
                     self._side_channel.address, pool.num_slots,
                     pool.num_slots * pool.full_block_bytes >> 20)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self._worker is not None and self._pd_role == "prefill":
+        if self._worker is None:
+            return
+        self._worker.register(kv_caches)
+        if self._pd_role == "prefill":
             self._prefill = PrefillRemote(self._worker, kv_caches)
+            self._loader = AsyncLoader(self._worker, self._prefill)
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
         if self._prefill is not None:
             self._prefill.close()
         if self._side_channel is not None:
@@ -202,6 +215,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             worker.load()
             if self._prefill is not None:
                 self._prefill.load()
+            if self._loader is not None:
+                self._loader.submit(self._get_connector_metadata().plan)
             if self._decode is not None:
                 self._decode.load()
 
@@ -232,8 +247,16 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._decode is not None:
                 self._decode.flush()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                               set[str] | None]:
+        # Background loads done (their failed blocks are reported no later than this pass).
+        return None, self._loader.take_finished() if self._loader is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        errors = self._worker.take_load_errors() if self._worker is not None else set()
+        if self._loader is not None:
+            errors |= self._loader.take_errors()
+        return errors
 
     # -- scheduler side --------------------------------------------------------------------
     def _sched(self) -> Planner:
@@ -262,11 +285,12 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if hit:
             logger.info("DualPathConnector: request %s hits %d stored tokens after %d local",
                         request.request_id, hit, num_computed_tokens)
-        return hit, False
+        return hit, bool(hit) and planner.is_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._sched().after_alloc(request.request_id, num_external_tokens)
+        self._sched().after_alloc(request.request_id, num_external_tokens,
+                                  blocks.get_block_ids()[0] if num_external_tokens else None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         planner = self._sched()

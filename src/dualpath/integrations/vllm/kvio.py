@@ -24,6 +24,7 @@ Per step (`bind` .. `finish_step`), in vLLM's calling order:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.pacing import ReadPacer
 from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
 
 
@@ -71,7 +73,7 @@ class KVWorker:
     """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors."""
 
     def __init__(self, store: BlockStore, layer_names: Sequence[str], page_bytes: int,
-                 event_log: Path | str | None = None) -> None:
+                 event_log: Path | str | None = None, pacer: ReadPacer | None = None) -> None:
         if store.full_block_bytes != len(layer_names) * page_bytes:
             raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
                               f"{len(layer_names)} layers x {page_bytes} B pages were given")
@@ -80,6 +82,10 @@ class KVWorker:
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.page_bytes = page_bytes
         self.event_log = Path(event_log) if event_log else None
+        self.pacer = pacer
+        """The emulated storage NIC every store read is charged to (None: unpaced)."""
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._log_lock = threading.Lock()
         self.counters = WorkerCounters()
         self._plan = StepPlan()
         self._loaded: list[_Staged] = []
@@ -101,13 +107,49 @@ class KVWorker:
             n_ok = 0
             for block_id, key in zip(t.block_ids, t.keys, strict=True):
                 buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
-                if not self.store.get_into(key, buf.numpy()):
+                if not self.read_block(key, buf):
                     self.report_load_error(t.req_id, block_id)
                     break  # vLLM recomputes from the first failed block on
                 self._loaded.append(_Staged(block_id, buf))
                 n_ok += 1
             self.counters.loaded_blocks += n_ok
             self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
+
+    def read_block(self, key: bytes, buf: torch.Tensor) -> bool:
+        """One Full Block from the store into `buf` (verified), through the emulated NIC."""
+        ok = self.store.get_into(key, buf.numpy())
+        if ok and self.pacer is not None:
+            self.pacer.charge(self.store.full_block_bytes)
+        return ok
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's paged KV tensors, for loads that write whole pages (`load_whole`)."""
+        self._kv_caches = dict(kv_caches)
+
+    def write_pages(self, block_id: int, buf: torch.Tensor) -> None:
+        """Every layer's page of a staged Full Block into the paged KV."""
+        for i, name in enumerate(self.layer_names):
+            kv = self._kv_caches[name]
+            page = kv[block_id]
+            page.copy_(buf[i * self.page_bytes:(i + 1) * self.page_bytes]
+                       .view(kv.dtype).view(page.shape))
+
+    def load_whole(self, t: BlockTransfer) -> int:
+        """A background load: read `t`'s blocks and write all their pages (the request is not
+        running, so no layer waits); returns how many loaded before the first failure."""
+        if not self._kv_caches:
+            raise LayoutError("load_whole before vLLM registered its KV caches")
+        buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
+        n_ok = 0
+        for block_id, key in zip(t.block_ids, t.keys, strict=True):
+            if not self.read_block(key, buf):
+                break
+            self.write_pages(block_id, buf)
+            n_ok += 1
+        with self._log_lock:
+            self.counters.loaded_blocks += n_ok
+        self._log("load", t, ok=n_ok, error=n_ok < len(t.block_ids), background=True)
+        return n_ok
 
     def inject(self, layer_name: str, kv: torch.Tensor) -> None:
         """Copy layer `layer_name`'s page of every staged block into its paged KV `kv`."""
@@ -191,6 +233,7 @@ class KVWorker:
         """Append `record` (and the counters) to the event log, when there is one."""
         if self.event_log is None:
             return
-        record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
-        with self.event_log.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with self._log_lock:
+            record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
+            with self.event_log.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")

@@ -11,6 +11,7 @@ DE read path).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,21 +40,27 @@ class Pending:
     def wait(self, timeout_s: float = 60.0) -> int:
         if self.done:
             return self.num_bytes
-        agent = self.link.agent
+        agent, lock = self.link.agent, self.link.lock
         deadline = time.monotonic() + timeout_s
         try:
-            state = agent.check_xfer_state(self.handle)
+            with lock:
+                state = agent.check_xfer_state(self.handle)
+            spins = 0
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise LinkError(f"NIXL {self.op} with {self.peer}: no completion in "
                                     f"{timeout_s:.0f} s")
-                time.sleep(0)
-                state = agent.check_xfer_state(self.handle)
+                # Poll hard for a moment, then gently: a waiting background load must not
+                # take a core from the engine on a small machine.
+                spins += 1
+                time.sleep(0 if spins < 100 else 0.0005)
+                with lock:
+                    state = agent.check_xfer_state(self.handle)
             if state != "DONE":
                 raise LinkError(f"NIXL {self.op} with {self.peer} failed ({state})")
         finally:
             self.done = True
-            with contextlib.suppress(Exception):
+            with lock, contextlib.suppress(Exception):
                 agent.release_xfer_handle(self.handle)
         return self.num_bytes
 
@@ -68,6 +75,9 @@ class NixlLink:
         self.agent: Any = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
         self._regions: list[tuple[int, int]] = []
         self._peers: dict[str, str] = {}
+        self.lock = threading.Lock()
+        """Every agent call holds it (the engine thread and the background loads share the
+        agent)."""
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         """Register `(address, bytes)` regions of this process's DRAM."""
@@ -79,9 +89,10 @@ class NixlLink:
 
     def connect(self, metadata: bytes) -> str:
         """Add a peer from its metadata; returns its agent name (idempotent)."""
-        name = self.agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self._peers[name] = name
+        with self.lock:
+            name = self.agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers[name] = name
         return name
 
     def _check_local(self, descs: Sequence[Desc]) -> None:
@@ -96,16 +107,17 @@ class NixlLink:
         if peer not in self._peers:
             raise LinkError(f"NIXL peer {peer} is not connected")
         self._check_local(descs)
-        local = self.agent.get_xfer_descs([(lo, n, 0) for lo, _, n in descs], "DRAM")
-        remote = self.agent.get_xfer_descs([(ro, n, 0) for _, ro, n in descs], "DRAM")
-        handle = self.agent.initialize_xfer(op, local, remote, peer)
-        state = self.agent.transfer(handle)
-        pending = Pending(self, handle, sum(n for _, _, n in descs), peer, op)
-        if state not in ("PROC", "DONE"):
-            pending.done = True
-            with contextlib.suppress(Exception):
-                self.agent.release_xfer_handle(handle)
-            raise LinkError(f"NIXL {op} with {peer} could not start ({state})")
+        with self.lock:
+            local = self.agent.get_xfer_descs([(lo, n, 0) for lo, _, n in descs], "DRAM")
+            remote = self.agent.get_xfer_descs([(ro, n, 0) for _, ro, n in descs], "DRAM")
+            handle = self.agent.initialize_xfer(op, local, remote, peer)
+            state = self.agent.transfer(handle)
+            pending = Pending(self, handle, sum(n for _, _, n in descs), peer, op)
+            if state not in ("PROC", "DONE"):
+                pending.done = True
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(handle)
+                raise LinkError(f"NIXL {op} with {peer} could not start ({state})")
         return pending
 
     def close(self) -> None:

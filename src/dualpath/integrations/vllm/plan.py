@@ -114,11 +114,16 @@ class StepPlan:
     remote_loads: list[RemoteLoad] = field(default_factory=list)
     pushes: list[Push] = field(default_factory=list)
     xfer_loads: list[XferLoad] = field(default_factory=list)
+    async_loads: list[BlockTransfer] = field(default_factory=list)
+    """Prefill: PE-side reads done in the background (the request waits in vLLM's
+    WAITING_FOR_REMOTE_KVS, the engine keeps running others); whole pages, all layers."""
+    async_remote_loads: list[RemoteLoad] = field(default_factory=list)
+    """Prefill: DE-side pulls done in the background, likewise."""
 
     @property
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.remote_loads or self.pushes
-                    or self.xfer_loads)
+                    or self.xfer_loads or self.async_loads or self.async_remote_loads)
 
 
 @dataclass
@@ -133,6 +138,8 @@ class _Request:
     num_prompt_tokens: int = 0
     route: RouteParams | None = None
     pushed: bool = False
+    load_issued: bool = False
+    """Prefill: the router's hit was handed to a background load once."""
 
 
 @dataclass(frozen=True)
@@ -147,12 +154,15 @@ class Planner:
     """Scheduler-side state of the connector, one per vLLM scheduler."""
 
     def __init__(self, block_size: int, namespace: bytes,
-                 is_stored: Callable[[bytes], bool], role: str = "both") -> None:
+                 is_stored: Callable[[bytes], bool], role: str = "both",
+                 async_loads: bool = True) -> None:
         if block_size < 1:
             raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
         if role not in ROLES:
             raise SpecError("vllm connector", "role", role, f"must be one of {', '.join(ROLES)}")
         self.role = role
+        self.async_loads = async_loads
+        """Prefill with the router's orders: load in the background (see `StepPlan`)."""
         self.block_size = block_size
         self.namespace = namespace
         self._is_stored = is_stored
@@ -207,8 +217,10 @@ class Planner:
             self._matches[req_id] = _Match(num_computed_tokens, hit, is_xfer=True)
             return hit
         if self.role == "prefill" and route is not None:
-            # The router counted the hits; a block that vanished since is a load error.
-            n = max(min(route.hit_blocks, limit) - local, 0)
+            # The router counted the hits; a block that vanished since is a load error. Asked
+            # again after a background load was issued, that load failed (or the request was
+            # preempted): no hit is offered twice, the rest is recomputed.
+            n = 0 if req.load_issued else max(min(route.hit_blocks, limit) - local, 0)
         else:
             keys = self._keys(req, limit)
             n = 0
@@ -218,8 +230,17 @@ class Planner:
         self._matches[req_id] = _Match(num_computed_tokens, hit)
         return hit
 
-    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request; load `num_external_tokens` from storage."""
+    def is_async(self, req_id: str) -> bool:
+        """Whether `req_id`'s hit loads in the background (vLLM's `load_kv_async`)."""
+        req = self._requests.get(req_id)
+        return (self.async_loads and self.role == "prefill" and req is not None
+                and req.route is not None)
+
+    def after_alloc(self, req_id: str, num_external_tokens: int,
+                    block_ids: Sequence[int] | None = None) -> None:
+        """vLLM allocated blocks for the request (`block_ids`: all of them); load
+        `num_external_tokens` (now, in the background, when `is_async`; else in the step that
+        schedules the request)."""
         if num_external_tokens <= 0:
             self._pending_loads.pop(req_id, None)
             return
@@ -227,7 +248,25 @@ class Planner:
         if m is None or m.num_hit_tokens != num_external_tokens:
             raise ValueError(f"{req_id}: vLLM asks to load {num_external_tokens} tokens, "
                              f"the last match found {m.num_hit_tokens if m else 0}")
-        self._pending_loads[req_id] = m
+        if not self.is_async(req_id):
+            self._pending_loads[req_id] = m
+            return
+        if block_ids is None:
+            raise ValueError(f"{req_id}: a background load needs the request's block ids")
+        req = self._requests[req_id]
+        req.block_ids = list(block_ids)
+        req.load_issued = True
+        route = req.route
+        assert route is not None
+        bs = self.block_size
+        first = m.num_computed_tokens // bs
+        stop = first + m.num_hit_tokens // bs
+        split = min(max(route.pe_blocks, first), stop)
+        if split > first:
+            self._plan.async_loads.append(self._transfer(req_id, req, first, split))
+        if stop > split:
+            self._plan.async_remote_loads.append(RemoteLoad(
+                route.xfer, route.de, self._transfer(req_id, req, split, stop)))
 
     # -- steps ------------------------------------------------------------------------------
     def schedule_new(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int,

@@ -26,14 +26,16 @@ instance without the blocks, which it then recomputes.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
 from dualpath.integrations.vllm.nixl_link import LinkError, NixlLink, Pending
-from dualpath.integrations.vllm.plan import Push, StepPlan
+from dualpath.integrations.vllm.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.side_channel import (
     SideChannelClient,
     SideChannelError,
@@ -74,7 +76,12 @@ class PrefillRemote:
                 seen.add(t.data_ptr())
                 regions.append((int(t.data_ptr()), t.numel() * t.element_size()))
         self.link.register(regions)
-        self._peers: dict[str, tuple[SideChannelClient, str]] = {}
+        self._peers: dict[tuple[str, int], SideChannelClient] = {}
+        """(decode side channel, thread) -> a connection (a background load's long `stage`
+        never holds up the engine thread's pushes)."""
+        self._agents: dict[str, str] = {}
+        """decode side channel -> its NIXL agent name (connected once)."""
+        self._lock = threading.Lock()
         self._plan = StepPlan()
         self._reads: dict[int, list[tuple[str, Pending]]] = defaultdict(list)
         self._writes: list[tuple[Push, Pending]] = []
@@ -84,23 +91,66 @@ class PrefillRemote:
         """req_id -> first DE-side block that failed to load (the decode side lacks it)."""
 
     def _peer(self, address: str) -> tuple[SideChannelClient, str]:
-        got = self._peers.get(address)
-        if got is None:
-            client = SideChannelClient(address)
-            info = client.hello(self.link.metadata())
-            if int(info["full_block_bytes"]) != self.kv.store.full_block_bytes:
-                client.close()
-                raise SideChannelError(f"decode instance {address} holds "
-                                       f"{info['full_block_bytes']} B blocks, this prefill "
-                                       f"{self.kv.store.full_block_bytes} B: not the same model")
-            got = (client, self.link.connect(info["agent"]))
-            self._peers[address] = got
-        return got
+        slot = (address, threading.get_ident())
+        with self._lock:
+            client = self._peers.get(slot)
+            agent = self._agents.get(address)
+        if client is not None and agent is not None:
+            return client, agent
+        client = SideChannelClient(address)
+        info = client.hello(self.link.metadata() if agent is None else b"")
+        if int(info["full_block_bytes"]) != self.kv.store.full_block_bytes:
+            client.close()
+            raise SideChannelError(f"decode instance {address} holds "
+                                   f"{info['full_block_bytes']} B blocks, this prefill "
+                                   f"{self.kv.store.full_block_bytes} B: not the same model")
+        with self._lock:
+            if address not in self._agents:
+                self._agents[address] = self.link.connect(info["agent"])
+            self._peers[slot] = client
+            return client, self._agents[address]
 
     def _drop_peer(self, address: str) -> None:
-        got = self._peers.pop(address, None)
-        if got is not None:
-            got[0].close()
+        with self._lock:
+            client = self._peers.pop((address, threading.get_ident()), None)
+        if client is not None:
+            client.close()
+
+    def note_failure(self, req_id: str, first_block: int) -> None:
+        """Blocks of `req_id` from `first_block` on did not load: vLLM recomputes them, and
+        the decode side lacks them (its staged ones included), so the push adds them."""
+        with self._lock:
+            self._fail_from[req_id] = min(first_block, self._fail_from.get(req_id, first_block))
+
+    def pull_whole(self, r: RemoteLoad) -> int:
+        """A background DE-side load: stage, then one NIXL READ of every layer's page of every
+        staged block into the paged KV, waited for; returns the blocks loaded (a prefix)."""
+        t = r.blocks
+        ok = 0
+        try:
+            client, peer = self._peer(r.de)
+            reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
+                                keys=[k.hex() for k in t.keys])
+            slots = [int(a) for a in reply["slots"]]
+            pending = self.link.post("READ", peer, [
+                (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
+                 self.page_bytes)
+                for i in range(len(self._bases)) for bid, slot in zip(t.block_ids, slots,
+                                                                       strict=False)])
+            if pending is not None:
+                pending.wait()
+            ok = len(slots)
+        except (SideChannelError, LinkError, OSError) as e:
+            with self._lock:
+                self.kv.counters.remote_errors += 1
+            self.kv.log_event({"event": "remote_error", "req_id": t.req_id, "op": "pull",
+                               "error": str(e), "thread": threading.get_ident()})
+            self._drop_peer(r.de)
+        with self._lock:
+            self.kv.counters.pulled_blocks += ok
+        self.kv.log_event({"event": "pull", "req_id": t.req_id, "de": r.de, "background": True,
+                           "first_block": t.first_block, "blocks": len(t.block_ids), "ok": ok})
+        return ok
 
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
@@ -113,7 +163,7 @@ class PrefillRemote:
         for r in self._plan.remote_loads:
             t = r.blocks
             if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed from there
-                self._fail_from[t.req_id] = t.first_block
+                self.note_failure(t.req_id, t.first_block)
                 continue
             try:
                 client, peer = self._peer(r.de)
@@ -137,7 +187,7 @@ class PrefillRemote:
             self.kv.counters.pulled_blocks += ok
             if ok < len(t.block_ids):
                 self.kv.report_load_error(t.req_id, t.block_ids[ok])
-                self._fail_from[t.req_id] = t.first_block + ok
+                self.note_failure(t.req_id, t.first_block + ok)
             self.kv.log_event({"event": "pull", "req_id": t.req_id, "de": r.de,
                                "first_block": t.first_block, "blocks": len(t.block_ids),
                                "ok": ok})
@@ -154,7 +204,7 @@ class PrefillRemote:
                                    "error": str(e)})
                 first = next(r for r in self._plan.remote_loads if r.blocks.req_id == req_id)
                 self.kv.report_load_error(req_id, first.blocks.block_ids[0])
-                self._fail_from[req_id] = first.blocks.first_block
+                self.note_failure(req_id, first.blocks.first_block)
 
     def capture(self, layer_name: str) -> None:
         """Push layer `layer_name`'s pages of the step's pushes (after its attention)."""
@@ -182,7 +232,8 @@ class PrefillRemote:
             if self.kv.has_failed(p.req_id):
                 continue  # recomputed in a later step, pushed then
             indices = list(p.block_indices)
-            fail = self._fail_from.get(p.req_id)
+            with self._lock:
+                fail = self._fail_from.get(p.req_id)
             if fail is not None:  # the decode side lacks its own blocks from there on too
                 indices = sorted(set(indices) | set(range(fail, p.hit_blocks)))
             try:
@@ -219,16 +270,88 @@ class PrefillRemote:
                 self._push_failed(p, e)
                 continue
             self.kv.counters.pushed_blocks += len(slots)
-            self._fail_from.pop(p.req_id, None)
+            with self._lock:
+                self._fail_from.pop(p.req_id, None)
             self.kv.log_event({"event": "push", "req_id": p.req_id, "de": p.de,
                                "blocks": len(slots)})
         self._writes = []
 
     def close(self) -> None:
-        for address in list(self._peers):
-            self._drop_peer(address)
+        with self._lock:
+            clients = list(self._peers.values())
+            self._peers.clear()
+        for client in clients:
+            client.close()
         with contextlib.suppress(Exception):
             self.link.close()
+
+
+class AsyncLoader:
+    """Background loads of a prefill worker (`StepPlan.async_loads` / `async_remote_loads`):
+    the PE-side store reads and the DE-side pulls of a request run in parallel threads, other
+    requests' too, while the engine keeps stepping; a request is reported finished (vLLM's
+    `finished_recving`) once all its parts are done, its failed blocks no later than that."""
+
+    def __init__(self, kv: KVWorker, prefill: PrefillRemote, max_workers: int = 4) -> None:
+        self.kv = kv
+        self.prefill = prefill
+        self._pool = ThreadPoolExecutor(max_workers=max_workers,
+                                        thread_name_prefix="dualpath-load")
+        self._lock = threading.Lock()
+        self._outstanding: dict[str, int] = {}
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+
+    def submit(self, plan: StepPlan) -> None:
+        jobs: dict[str, list[BlockTransfer | RemoteLoad]] = defaultdict(list)
+        for t in plan.async_loads:
+            jobs[t.req_id].append(t)
+        for r in plan.async_remote_loads:
+            jobs[r.blocks.req_id].append(r)
+        with self._lock:
+            for req_id, parts in jobs.items():
+                self._outstanding[req_id] = self._outstanding.get(req_id, 0) + len(parts)
+        for req_id, parts in jobs.items():
+            for part in parts:
+                self._pool.submit(self._run, req_id, part)
+
+    def _run(self, req_id: str, part: BlockTransfer | RemoteLoad) -> None:
+        t = part if isinstance(part, BlockTransfer) else part.blocks
+        ok = 0
+        try:
+            ok = self.kv.load_whole(t) if isinstance(part, BlockTransfer) \
+                else self.prefill.pull_whole(part)
+        except Exception as e:  # a bug must not hang the request: it is recomputed
+            self.kv.log_event({"event": "remote_error", "req_id": req_id, "op": "load",
+                               "error": f"{type(e).__name__}: {e}"})
+        if ok < len(t.block_ids):
+            self.prefill.note_failure(req_id, t.first_block + ok)
+        with self._lock:
+            if ok < len(t.block_ids):
+                self._errors.add(t.block_ids[ok])
+                self.kv.counters.load_errors += 1
+            self._outstanding[req_id] -= 1
+            if self._outstanding[req_id] == 0:
+                del self._outstanding[req_id]
+                self._finished.add(req_id)
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    @property
+    def num_outstanding(self) -> int:
+        with self._lock:
+            return len(self._outstanding)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class DecodeRemote:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.pacing import ReadPacer
 
 
 class SideChannelError(RuntimeError):
@@ -142,26 +143,40 @@ class DecodeSideChannel:
 
     def __init__(self, address: str, pool: StagingPool, store: BlockStore,
                  agent_metadata: bytes, connect_peer: Callable[[bytes], str],
-                 info: Mapping[str, Any]) -> None:
+                 info: Mapping[str, Any], pacer: ReadPacer | None = None,
+                 log: Callable[[dict[str, Any]], None] | None = None) -> None:
         host, port = split_address(address)
         self.pool = pool
         self.store = store
+        self.pacer = pacer
+        """This decode node's emulated storage NIC (None: unpaced)."""
         self._agent_metadata = agent_metadata
         self._connect_peer = connect_peer
         self._info = dict(info)
         self.num_staged_blocks = 0
         self.num_stage_errors = 0
+        self._log = log
+        self._peers: set[bytes] = set()
+        self._peers_lock = threading.Lock()
         channel = self
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
                 for line in self.rfile:
+                    t0 = time.monotonic()
+                    msg: dict[str, Any] = {}
                     try:
-                        reply = channel.serve(json.loads(line))
+                        msg = json.loads(line)
+                        reply = channel.serve(msg)
                     except Exception as e:  # the peer gets the reason
                         reply = {"error": f"{type(e).__name__}: {e}"}
                     self.wfile.write((json.dumps(reply) + "\n").encode())
                     self.wfile.flush()
+                    if channel._log is not None:
+                        channel._log({"event": "side_channel", "op": msg.get("op"),
+                                      "xfer": msg.get("xfer"), "error": reply.get("error"),
+                                      "ok": reply.get("ok"),
+                                      "s": round(time.monotonic() - t0, 4)})
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -176,7 +191,11 @@ class DecodeSideChannel:
     def serve(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "hello":
-            self._connect_peer(base64.b64decode(msg["agent"]))
+            metadata = base64.b64decode(msg["agent"]) if msg.get("agent") else b""
+            with self._peers_lock:  # a peer's agent is added once (NIXL keeps it)
+                if metadata and metadata not in self._peers:
+                    self._connect_peer(metadata)
+                    self._peers.add(metadata)
             return {"agent": _b64(self._agent_metadata), **self._info}
         if op == "stage":
             return self._stage(str(msg["xfer"]), int(msg["first_block"]),
@@ -197,6 +216,8 @@ class DecodeSideChannel:
             if not self.store.get_into(key, self.pool.view(slot).numpy()):
                 self.num_stage_errors += 1
                 break  # the prefill side recomputes from the first failed block on
+            if self.pacer is not None:
+                self.pacer.charge(self.store.full_block_bytes)
             ok += 1
         self.pool.mark_staged(xfer, blocks[:ok])
         self.num_staged_blocks += ok
@@ -237,8 +258,9 @@ class SideChannelClient:
             raise SideChannelError(f"side channel {self.address}: {reply['error']}")
         return reply
 
-    def hello(self, agent_metadata: bytes) -> dict[str, Any]:
-        reply = self.call("hello", agent=_b64(agent_metadata))
+    def hello(self, agent_metadata: bytes = b"") -> dict[str, Any]:
+        """Exchange agents (empty: only read the decode side's info)."""
+        reply = self.call("hello", agent=_b64(agent_metadata) if agent_metadata else "")
         reply["agent"] = base64.b64decode(reply["agent"])
         return reply
 
