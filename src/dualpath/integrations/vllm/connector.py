@@ -164,7 +164,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             str(address), pool, self._store, self._link.metadata(), self._link.connect,
             {"full_block_bytes": self._store.full_block_bytes,
              "namespace": self._layout.namespace.hex(), "num_slots": pool.num_slots},
-            pacer=self._pacer)
+            pacer=self._pacer, log=self._worker.log_event)
         self._decode = DecodeRemote(self._worker, pool)
         logger.info("DualPathConnector: side channel on %s, %d staging blocks (%d MiB)",
                     self._side_channel.address, pool.num_slots,
