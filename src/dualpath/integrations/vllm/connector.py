@@ -132,7 +132,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             self._worker = KVWorker(self._store, layout.layer_names, layout.page_bytes,
                                     event_log=extra.get_from_extra_config("event_log", None),
-                                    pacer=self._pacer, log=self._worker.log_event)
+                                    pacer=self._pacer)
             if self._pd_role == "decode":
                 self._start_side_channel(extra)
             self._worker.log_event({"event": "init", "role": self._pd_role,
