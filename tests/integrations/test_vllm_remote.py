@@ -23,6 +23,7 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
+from dualpath.integrations.vllm.launch import free_port
 from dualpath.integrations.vllm.nixl_link import NixlLink
 from dualpath.integrations.vllm.pacing import ReadPacer
 from dualpath.integrations.vllm.plan import (
@@ -38,6 +39,7 @@ from dualpath.integrations.vllm.side_channel import (
     SideChannelClient,
     SideChannelError,
     StagingPool,
+    spawn_side_channel,
 )
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -262,3 +264,47 @@ def test_read_pacer_holds_reads_to_the_emulated_rate() -> None:
     assert pacer.num_bytes == 1_000_000
     with pytest.raises(ValueError, match="storage_read_gbps"):
         ReadPacer(0)
+
+
+def test_side_channel_process_serves_pulls_and_the_decode_workers_loads(
+        tmp_path: Path) -> None:
+    """The decode node's buffer service as its own process (how the connector runs it):
+    shared-memory staging, its own NIXL agent; a prefill worker pulls, the decode worker
+    loads from the same bytes."""
+    store = BlockStore(tmp_path / "store", FULL, is_durable=False)
+    blocks = [torch.randint(0, 255, (FULL,), dtype=torch.uint8) for _ in range(2)]
+    for key, block in zip(KEYS, blocks, strict=False):
+        store.put(key, block.numpy().data)
+    address = f"127.0.0.1:{free_port()}"
+    proc, pool = spawn_side_channel(address, str(store.root), FULL, 4, None,
+                                    str(tmp_path / "events.jsonl"), "ns")
+    try:
+        p_kv = paged()
+        p_worker = KVWorker(store, LAYERS, PAGE)
+        prefill = PrefillRemote(p_worker, p_kv)
+        assert prefill.pull_whole(RemoteLoad("x", address, BlockTransfer(
+            "r", 0, (3, 4), tuple(KEYS[:2])))) == 2
+        for i, name in enumerate(LAYERS):
+            assert same(p_kv[name][3], page_of(blocks[0], i))
+            assert same(p_kv[name][4], page_of(blocks[1], i))
+        d_worker = KVWorker(store, LAYERS, PAGE)
+        remote = DecodeRemote(d_worker, pool)
+        plan = StepPlan(xfer_loads=[XferLoad("x", "r", 0, (6, 7))])
+        d_worker.bind(plan)
+        remote.bind(plan)
+        remote.load()
+        kv = paged()
+        for name in LAYERS:
+            remote.inject(name, kv[name])
+        remote.flush()
+        for i, name in enumerate(LAYERS):
+            assert same(kv[name][6], page_of(blocks[0], i))
+            assert same(kv[name][7], page_of(blocks[1], i))
+        assert d_worker.take_load_errors() == set()
+        assert pool.lookup("x", [0]) == [None]  # released
+        prefill.close()
+        pool.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert not list(Path("/dev/shm").glob(f"dualpath-staging-{proc.pid}"))

@@ -39,11 +39,10 @@ from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
-from dualpath.integrations.vllm.nixl_link import NixlLink
 from dualpath.integrations.vllm.pacing import ReadPacer
 from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
 from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.side_channel import DecodeSideChannel, StagingPool
+from dualpath.integrations.vllm.side_channel import RemotePool, spawn_side_channel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,8 +115,9 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: KVWorker | None = None
         self._prefill: PrefillRemote | None = None
         self._decode: DecodeRemote | None = None
-        self._side_channel: DecodeSideChannel | None = None
-        self._link: NixlLink | None = None
+        self._side_address: str | None = None
+        self._side_process: Any = None
+        self._side_pool: RemotePool | None = None
         self._loader: AsyncLoader | None = None
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
         self._pacer = ReadPacer(float(gbps)) if gbps else None
@@ -147,8 +147,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @property
     def side_channel_address(self) -> str | None:
-        """Decode: where prefill workers reach this worker's staging buffer."""
-        return self._side_channel.address if self._side_channel is not None else None
+        """Decode: where prefill workers reach this node's staging buffer."""
+        return self._side_address
 
     def _start_side_channel(self, extra: Any) -> None:
         assert self._worker is not None
@@ -156,18 +156,17 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not address:
             raise ValueError("DualPathConnector with kv_role kv_consumer (a decode instance) "
                              "needs kv_connector_extra_config.side_channel, host:port")
-        pool = StagingPool(int(extra.get_from_extra_config("staging_blocks", 64)),
-                           self._store.full_block_bytes)
-        self._link = NixlLink("decode")
-        self._link.register([(pool.base, pool.num_slots * pool.full_block_bytes)])
-        self._side_channel = DecodeSideChannel(
-            str(address), pool, self._store, self._link.metadata(), self._link.connect,
-            {"full_block_bytes": self._store.full_block_bytes,
-             "namespace": self._layout.namespace.hex(), "num_slots": pool.num_slots},
-            pacer=self._pacer, log=self._worker.log_event)
+        gbps = extra.get_from_extra_config("storage_read_gbps", None)
+        self._side_process, pool = spawn_side_channel(
+            str(address), str(self._store.root), self._store.full_block_bytes,
+            int(extra.get_from_extra_config("staging_blocks", 64)),
+            float(gbps) if gbps else None, extra.get_from_extra_config("event_log", None),
+            self._layout.namespace.hex())
+        self._side_pool = pool
+        self._side_address = str(address)
         self._decode = DecodeRemote(self._worker, pool)
-        logger.info("DualPathConnector: side channel on %s, %d staging blocks (%d MiB)",
-                    self._side_channel.address, pool.num_slots,
+        logger.info("DualPathConnector: side channel process on %s, %d staging blocks "
+                    "(%d MiB)", address, pool.num_slots,
                     pool.num_slots * pool.full_block_bytes >> 20)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -183,10 +182,10 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loader.close()
         if self._prefill is not None:
             self._prefill.close()
-        if self._side_channel is not None:
-            self._side_channel.close()
-        if self._link is not None:
-            self._link.close()
+        if self._side_pool is not None:
+            self._side_pool.close()
+        if self._side_process is not None:
+            self._side_process.terminate()
 
     # -- worker side -----------------------------------------------------------------------
     def _bound_worker(self) -> KVWorker | None:

@@ -30,6 +30,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -354,10 +355,21 @@ class AsyncLoader:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class DecodeRemote:
-    """Loads of a decode worker from its own staging buffer."""
+class Slots(Protocol):
+    """A decode node's staging buffer as its worker sees it (`StagingPool` in process,
+    `side_channel.RemotePool` across the process boundary)."""
 
-    def __init__(self, kv: KVWorker, pool: StagingPool) -> None:
+    def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]: ...
+
+    def view(self, slot: int) -> torch.Tensor: ...
+
+    def release(self, xfer: str) -> None: ...
+
+
+class DecodeRemote:
+    """Loads of a decode worker from its node's staging buffer."""
+
+    def __init__(self, kv: KVWorker, pool: Slots | StagingPool) -> None:
         self.kv = kv
         self.pool = pool
         self._plan = StepPlan()
@@ -370,7 +382,13 @@ class DecodeRemote:
     def load(self) -> None:
         for x in self._plan.xfer_loads:
             blocks = range(x.first_block, x.first_block + len(x.block_ids))
-            slots = self.pool.lookup(x.xfer, list(blocks))
+            try:
+                slots = self.pool.lookup(x.xfer, list(blocks))
+            except (SideChannelError, OSError) as e:
+                self.kv.counters.remote_errors += 1
+                self.kv.log_event({"event": "remote_error", "req_id": x.req_id,
+                                   "op": "lookup", "error": str(e)})
+                slots = [None] * len(blocks)
             ok = 0
             for block_id, slot in zip(x.block_ids, slots, strict=True):
                 if slot is None:
@@ -394,5 +412,6 @@ class DecodeRemote:
 
     def flush(self) -> None:
         for x in self._plan.xfer_loads:
-            self.pool.release(x.xfer)
+            with contextlib.suppress(SideChannelError, OSError):  # it expires anyway
+                self.pool.release(x.xfer)
         self._staged = []

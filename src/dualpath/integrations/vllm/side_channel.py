@@ -59,12 +59,16 @@ class _Xfer:
 class StagingPool:
     """`num_slots` Full Block slots in one host buffer, handed out per transfer. Thread-safe."""
 
-    def __init__(self, num_slots: int, full_block_bytes: int, ttl_s: float = 600.0) -> None:
+    def __init__(self, num_slots: int, full_block_bytes: int, ttl_s: float = 600.0,
+                 buffer: torch.Tensor | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"staging_blocks must be >= 1, got {num_slots}")
         self.full_block_bytes = full_block_bytes
         self.num_slots = num_slots
-        self.buffer = torch.zeros(num_slots * full_block_bytes, dtype=torch.uint8)
+        self.buffer = buffer if buffer is not None else \
+            torch.zeros(num_slots * full_block_bytes, dtype=torch.uint8)
+        if self.buffer.numel() < num_slots * full_block_bytes:
+            raise ValueError("staging buffer smaller than its slots")
         self.base = int(self.buffer.data_ptr())
         self.ttl_s = ttl_s
         self._free = list(range(num_slots - 1, -1, -1))
@@ -206,6 +210,11 @@ class DecodeSideChannel:
         if op == "commit":
             self.pool.commit(str(msg["xfer"]))
             return {"ok": True}
+        if op == "lookup":  # the decode worker: which slots hold a request's blocks
+            return {"slots": self.pool.lookup(str(msg["xfer"]), [int(b) for b in msg["blocks"]])}
+        if op == "release":  # the decode worker loaded them
+            self.pool.release(str(msg["xfer"]))
+            return {"ok": True}
         raise SideChannelError(f"unknown op {op!r}")
 
     def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> dict[str, Any]:
@@ -268,3 +277,141 @@ class SideChannelClient:
         with contextlib.suppress(OSError):
             self._rfile.close()
             self._sock.close()
+
+
+# -- the side channel as its own process ---------------------------------------------------
+# A vLLM worker process keeps its main thread busy between steps, which starves any other
+# Python thread in it for up to seconds; so the decode instance's buffer service runs in a
+# process of its own (spawned by the decode worker's connector, exiting with it), with the
+# staging buffer in shared memory that both map: the service stages, the prefill side's NIXL
+# agent reads and writes it, the decode worker copies from it into its paged KV.
+
+SHM_PREFIX = "dualpath-staging-"
+
+
+class RemotePool:
+    """The decode worker's view of a side-channel process's staging buffer."""
+
+    def __init__(self, client: SideChannelClient, shm_name: str, num_slots: int,
+                 full_block_bytes: int) -> None:
+        from multiprocessing import shared_memory
+
+        self.client = client
+        self.num_slots = num_slots
+        self.full_block_bytes = full_block_bytes
+        self._shm = shared_memory.SharedMemory(name=shm_name, create=False)
+        self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+
+    def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
+        slots: list[int | None] = self.client.call("lookup", xfer=xfer, blocks=list(blocks))[
+            "slots"]
+        return slots
+
+    def view(self, slot: int) -> torch.Tensor:
+        lo = slot * self.full_block_bytes
+        return self._buffer[lo:lo + self.full_block_bytes]
+
+    def release(self, xfer: str) -> None:
+        self.client.call("release", xfer=xfer)
+
+    def close(self) -> None:
+        del self._buffer
+        with contextlib.suppress(BufferError, OSError):
+            self._shm.close()
+
+
+def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num_slots: int,
+                       storage_read_gbps: float | None, event_log: str | None,
+                       namespace: str, timeout_s: float = 120.0,
+                       ) -> tuple[Any, RemotePool]:
+    """Start the side-channel process on `address`; returns it and the worker's pool view."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "dualpath.integrations.vllm.side_channel",
+           "--address", address, "--store", store_root, "--full-block-bytes",
+           str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
+           "--parent", str(os.getpid())]
+    if storage_read_gbps:
+        cmd += ["--storage-read-gbps", str(storage_read_gbps)]
+    if event_log:
+        cmd += ["--event-log", event_log]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SideChannelError(f"side channel process on {address} exited with "
+                                   f"{proc.returncode}")
+        try:
+            client = SideChannelClient(address)
+            info = client.hello()
+            break
+        except (OSError, SideChannelError):
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SideChannelError(f"side channel on {address} did not start in "
+                                       f"{timeout_s:.0f} s") from None
+            time.sleep(0.2)
+    return proc, RemotePool(client, str(info["shm"]), int(info["num_slots"]), full_block_bytes)
+
+
+def _serve_main() -> None:
+    import argparse
+    import os
+    import signal
+    import sys
+    from multiprocessing import shared_memory
+
+    from dualpath.integrations.vllm.nixl_link import NixlLink
+
+    ap = argparse.ArgumentParser(description="DualPath's decode-side staging buffer service "
+                                 "(started by DualPathConnector on a decode instance)")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--full-block-bytes", type=int, required=True)
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--namespace", default="")
+    ap.add_argument("--storage-read-gbps", type=float)
+    ap.add_argument("--event-log")
+    ap.add_argument("--parent", type=int, help="exit when this process is gone")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # clean up the shared memory
+    size = args.slots * args.full_block_bytes
+    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}", create=True, size=size)
+    buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    buffer.zero_()  # first touch here, once
+    pool = StagingPool(args.slots, args.full_block_bytes, buffer=buffer)
+    store = BlockStore(args.store, args.full_block_bytes, is_durable=False)
+    link = NixlLink("decode")
+    link.register([(pool.base, size)])
+    log_path = args.event_log
+
+    def log(record: dict[str, Any]) -> None:
+        if log_path:
+            line = json.dumps({"t": round(time.time(), 3), "process": "side_channel",
+                               **record}) + "\n"
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    channel = DecodeSideChannel(
+        args.address, pool, store, link.metadata(), link.connect,
+        {"full_block_bytes": args.full_block_bytes, "namespace": args.namespace,
+         "num_slots": args.slots, "shm": shm.name},
+        pacer=ReadPacer(args.storage_read_gbps) if args.storage_read_gbps else None, log=log)
+    try:
+        while args.parent is None or os.getppid() == args.parent:
+            time.sleep(0.5)
+    finally:
+        channel.close()
+        link.close()
+        del buffer
+        pool.buffer = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError, OSError):
+            shm.close()
+        with contextlib.suppress(OSError):
+            shm.unlink()
+
+
+if __name__ == "__main__":
+    _serve_main()
