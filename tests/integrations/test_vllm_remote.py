@@ -103,6 +103,7 @@ def prefill_step(p: Pair, plan: StepPlan, computed: dict[int, torch.Tensor]) -> 
     """vLLM's order on the prefill worker; `computed[block_id]` is what "attention" writes."""
     p.p_worker.bind(plan)
     p.prefill.bind(plan)
+    p.prefill.request_stages()  # the connector's order: stages requested, own reads, pulls
     p.p_worker.load()
     p.prefill.load()
     for i, name in enumerate(LAYERS):

@@ -124,7 +124,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(
                 layout.block_size, layout.namespace, self._store.contains, role=self._pd_role,
-                async_loads=bool(extra.get_from_extra_config("async_loads", True)))
+                async_loads=bool(extra.get_from_extra_config("async_loads", False)))
             StoreManifest(namespace=layout.namespace.hex(),
                           model=str(vllm_config.model_config.model),
                           block_size=layout.block_size,
@@ -211,6 +211,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # for its own in wait_for_layer_load.
         worker = self._bound_worker()
         if worker is not None:
+            if self._prefill is not None:
+                self._prefill.request_stages()  # the decode nodes read while this one does
             worker.load()
             if self._prefill is not None:
                 self._prefill.load()

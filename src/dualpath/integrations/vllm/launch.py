@@ -11,11 +11,13 @@ vllm: the servers run in `spec.python`, which must have it (`make vllm-setup`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,6 +48,13 @@ def has_chat_template(model: str) -> bool:
 
 class LaunchError(RuntimeError):
     """An instance that exited or did not become healthy in time (its log tail attached)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (Linux
+    prctl PR_SET_PDEATHSIG), so a killed driver never leaves servers running."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -130,6 +139,10 @@ def server_command(spec: ClusterSpec, port: int, config: dict[str, Any],
             "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
 
 
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 class VllmCluster:
     """P prefill and D decode vLLM servers on one store (a context manager)."""
 
@@ -173,7 +186,7 @@ class VllmCluster:
                 cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events),
                                      template)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with_parent)
                 self.instances.append(Instance(name, role, port, side, proc, log_path, events,
                                                log))
             for inst in self.instances:
@@ -217,6 +230,10 @@ class VllmCluster:
                 inst._log = None
 
     def __enter__(self) -> VllmCluster:
+        # SIGTERM (a `timeout`, a CI runner) must still stop the servers: make it an exception
+        # that unwinds through __exit__.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

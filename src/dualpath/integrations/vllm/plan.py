@@ -155,7 +155,7 @@ class Planner:
 
     def __init__(self, block_size: int, namespace: bytes,
                  is_stored: Callable[[bytes], bool], role: str = "both",
-                 async_loads: bool = True) -> None:
+                 async_loads: bool = False) -> None:
         if block_size < 1:
             raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
         if role not in ROLES:

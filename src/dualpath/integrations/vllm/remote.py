@@ -88,6 +88,8 @@ class PrefillRemote:
         self._writes: list[tuple[Push, Pending]] = []
         self._push_slots: dict[str, list[tuple[int, int]]] = {}
         """req_id -> (block id, slot address) of the step's pushes."""
+        self._requested: set[int] = set()
+        """Remote loads of this step whose `stage` was sent by `request_stages`."""
         self._fail_from: dict[str, int] = {}
         """req_id -> first DE-side block that failed to load (the decode side lacks it)."""
 
@@ -159,17 +161,35 @@ class PrefillRemote:
         self._writes = []
         self._push_slots = {}
 
+    def request_stages(self) -> None:
+        """Ask each decode node to stage the step's DE-side hits, without waiting: its
+        storage NIC reads them while this node's reads its own (`KVWorker.load`)."""
+        for r in self._plan.remote_loads:
+            try:
+                client, _ = self._peer(r.de)
+                t = r.blocks
+                client.send("stage", xfer=r.xfer, first_block=t.first_block,
+                            keys=[k.hex() for k in t.keys])
+                self._requested.add(id(r))
+            except (SideChannelError, LinkError, OSError):
+                self._drop_peer(r.de)  # load() retries on a new connection
+
     def load(self) -> None:
-        """Stage and start pulling every `RemoteLoad` (after the store loads of the step)."""
+        """Stage (if `request_stages` did not) and start pulling every `RemoteLoad` (after the
+        store loads of the step): one NIXL READ per layer, waited for by `inject`."""
+        requested, self._requested = self._requested, set()
         for r in self._plan.remote_loads:
             t = r.blocks
-            if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed from there
-                self.note_failure(t.req_id, t.first_block)
-                continue
             try:
                 client, peer = self._peer(r.de)
-                reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
-                                    keys=[k.hex() for k in t.keys])
+                if id(r) in requested:
+                    reply = client.receive()
+                else:
+                    reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
+                                        keys=[k.hex() for k in t.keys])
+                if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed
+                    self.note_failure(t.req_id, t.first_block)
+                    continue
                 slots = [int(a) for a in reply["slots"]]
                 pairs = list(zip(t.block_ids, slots, strict=False))
                 for i in range(len(self._bases)):

@@ -255,11 +255,23 @@ class SideChannelClient:
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
-            try:
-                self._sock.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
-                line = self._rfile.readline()
-            except OSError as e:
-                raise SideChannelError(f"side channel {self.address}: {e}") from e
+            self.send(op, **fields)
+            return self.receive()
+
+    def send(self, op: str, **fields: Any) -> None:
+        """Send a request without waiting (`receive` gets the replies in order); the caller
+        owns the connection meanwhile."""
+        try:
+            self._sock.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
+        except OSError as e:
+            raise SideChannelError(f"side channel {self.address}: {e}") from e
+
+    def receive(self) -> dict[str, Any]:
+        """The reply to the oldest request not yet answered."""
+        try:
+            line = self._rfile.readline()
+        except OSError as e:
+            raise SideChannelError(f"side channel {self.address}: {e}") from e
         if not line:
             raise SideChannelError(f"side channel {self.address} closed the connection")
         reply: dict[str, Any] = json.loads(line)
