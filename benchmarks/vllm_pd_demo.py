@@ -119,7 +119,7 @@ def router(cluster: VllmCluster, store: Path, *flags: str) -> Iterator[str]:
 
     port = free_port()
     cmd = [ROUTER_PYTHON, "-m", "dualpath.cli.main", "route", "--store", str(store),
-           "--port", str(port), *flags]
+           "--port", str(port), "--poll-interval", "2", *flags]
     for inst in cluster.prefill:
         cmd += ["--prefill", inst.url]
     for inst in cluster.decode:

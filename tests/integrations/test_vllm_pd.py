@@ -24,7 +24,7 @@ DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_pd_demo.py"
 
 def test_pd_read_paths_give_identical_tokens() -> None:
     proc = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stdout.strip(), proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
     failed = [name for name, ok in summary["checks"].items() if not ok]

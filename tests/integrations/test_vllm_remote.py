@@ -85,7 +85,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         store.put(key, block.numpy().data)
         stored.append(block)
     pool = StagingPool(6, FULL)
-    d_link = NixlLink("decode-test")
+    d_link = NixlLink("decode-test", progress_thread=True)  # the transfers' target
     d_link.register([(pool.base, pool.num_slots * FULL)])
     channel = DecodeSideChannel("127.0.0.1:0", pool, store, d_link.metadata(), d_link.connect,
                                 {"full_block_bytes": FULL})

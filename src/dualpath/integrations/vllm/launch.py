@@ -83,6 +83,10 @@ class ClusterSpec:
     startup_timeout_s: float = 600.0
     chat_template: Path | None = None
     """A Jinja file; default: ChatML when the model folder has no template."""
+    storage_read_gbps: float | None = None
+    """Each instance's emulated storage NIC for reads (None: unpaced)."""
+    async_loads: bool = False
+    """The prefill instances' background loads (`async_loads` of the connector)."""
     extra_args: tuple[str, ...] = ()
 
 
@@ -119,8 +123,12 @@ def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
     extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
     if event_log is not None:
         extra["event_log"] = str(event_log)
+    if spec.storage_read_gbps:
+        extra["storage_read_gbps"] = spec.storage_read_gbps
     if role == "decode":
         extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
+    else:
+        extra["async_loads"] = spec.async_loads
     return {"kv_connector": "DualPathConnector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_connector_module_path": CONNECTOR_MODULE,

