@@ -1,0 +1,145 @@
+"""Basic vs DualPath through vLLM, storage-bound: TTFT and JCT of concurrent agent turns whose
+stored prefix is read through emulated storage NICs (`storage_read_gbps` on every node).
+
+One 1P1D cluster of vLLM servers (SmolLM2, CPU) and two routers on it, `basic` (every hit read
+by the prefill node's NIC) and `dualpath` (the shorter read queue). Per repeat and mode, a
+fresh set of agents (distinct long system prompts of the same length, so both modes see the
+same hit pattern): turn 1 of each agent is computed and persisted (not timed), then turn 2 of
+all agents is sent at once through that mode's router (streamed: TTFT = first chunk, JCT =
+the last one), and the router's `/stats` gives the hit bytes per read side. Modes alternate
+(basic, dualpath, basic, ...); medians over repeats and the dualpath / basic ratios, from one
+run, are printed as JSON. The NICs are emulated (a token bucket per node); say so when quoting.
+
+Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
+[--repeats 2] [--storage-read-gbps 0.4]` (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dualpath.integrations.vllm.launch import ClusterSpec, VllmCluster
+from vllm_pd_demo import router, stats
+
+FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
+          "appends a short tool result to a long shared context. ")
+
+
+def system_prompt(agent: str, repeats: int) -> str:
+    return f"Agent {agent}. " + FILLER * repeats
+
+
+def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int
+                ) -> tuple[float, float, str]:
+    """(TTFT s, JCT s, text) of one streamed chat completion."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get(
+                "choices") else None
+            if delta:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(delta)
+    jct = time.perf_counter() - t0
+    return (ttft if ttft is not None else jct), jct, "".join(text)
+
+
+def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
+             ) -> dict[str, Any]:
+    turn1 = {a: [{"role": "system", "content": system_prompt(a, filler)},
+                 {"role": "user", "content": "List the resources that limit a prefill."}]
+             for a in agents}
+    replies = {}
+    for a in agents:  # turn 1: computed and persisted, not timed
+        replies[a] = stream_chat(url, model, turn1[a], 8)[2]
+    before = stats(url)
+    results: dict[str, tuple[float, float, str]] = {}
+
+    def turn2(a: str) -> None:
+        msgs = [*turn1[a], {"role": "assistant", "content": replies[a]},
+                {"role": "user", "content": "Which one binds here?"}]
+        results[a] = stream_chat(url, model, msgs, gen)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=turn2, args=(a,)) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = stats(url)
+    hit = {s: after["hit_bytes_by_side"][s] - before["hit_bytes_by_side"][s] for s in ("pe", "de")}
+    return {"ttft_s": statistics.mean(r[0] for r in results.values()),
+            "jct_s": statistics.mean(r[1] for r in results.values()),
+            "batch_s": wall, "hit_bytes_by_side": hit,
+            "texts": sorted(r[2] for r in results.values())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--filler", type=int, default=30, help="filler sentences per system prompt")
+    ap.add_argument("--gen", type=int, default=8, help="tokens per turn-2 reply")
+    ap.add_argument("--storage-read-gbps", type=float, default=0.4,
+                    help="each node's emulated storage NIC for reads (default: %(default)s)")
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    if args.model is None:
+        from dualpath.runtime.weights import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    with tempfile.TemporaryDirectory(prefix="dualpath-vllm-bench-") as tmp:
+        spec = ClusterSpec(model=args.model, store=Path(tmp) / "store", python=sys.executable,
+                           storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
+                           extra_args=("--served-model-name", "smollm2"))
+        runs: dict[str, list[dict[str, Any]]] = {"basic": [], "dualpath": []}
+        with VllmCluster(spec) as cluster, \
+                router(cluster, spec.store, "--mode", "basic") as basic, \
+                router(cluster, spec.store, "--mode", "dualpath") as dual:
+            urls = {"basic": basic, "dualpath": dual}
+            for rep in range(args.repeats):
+                for mode in ("basic", "dualpath"):
+                    agents = [f"{mode}-{rep}-{i}" for i in range(args.agents)]
+                    r = run_mode(urls[mode], "smollm2", agents, args.filler, args.gen)
+                    print(f"== {mode} repeat {rep}: TTFT {r['ttft_s']:.2f} s, JCT "
+                          f"{r['jct_s']:.2f} s, hit bytes {r['hit_bytes_by_side']}",
+                          file=sys.stderr, flush=True)
+                    runs[mode].append(r)
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttft_s", "jct_s", "batch_s")}
+           for m, rs in runs.items()}
+    summary = {
+        "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
+        "agents": args.agents, "repeats": args.repeats, "median": med,
+        "ratio_dualpath_over_basic": {k: med["dualpath"][k] / med["basic"][k]
+                                      for k in ("ttft_s", "jct_s", "batch_s")},
+        "hit_bytes_by_side": {m: [r["hit_bytes_by_side"] for r in rs] for m, rs in runs.items()},
+    }
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
