@@ -46,19 +46,8 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.launch import ClusterSpec, Instance, VllmCluster
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest, prefix_keys
 from dualpath.runtime.tokenizer import Tokenizer
+from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
 
-SYSTEM = (
-    "You are a patient assistant for a team of storage engineers. They run a cluster of "
-    "inference servers whose key-value caches are kept on a distributed file system between "
-    "the turns of long agent conversations. Answer in plain prose, with short paragraphs, "
-    "and explain each step of your reasoning. When a question is about performance, name "
-    "the resource that limits it (compute, memory bandwidth, network or storage) and say "
-    "why. When a question is ambiguous, state the assumption you make before answering. "
-    "The engineers know the hardware well: each node has eight accelerators, a compute "
-    "network for moving activations and caches between nodes, and a separate storage "
-    "network whose bandwidth is often idle on the decode nodes while it is saturated on the "
-    "prefill nodes. Prefer concrete numbers to adjectives, and say when a number is a guess."
-)
 USER_1 = "Explain why reading a cached prefix from storage can be faster than recomputing it."
 USER_2 = "Now summarise that answer in two sentences."
 REPO = Path(__file__).resolve().parents[1]

@@ -120,7 +120,11 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side_pool: RemotePool | None = None
         self._loader: AsyncLoader | None = None
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
-        self._pacer = ReadPacer(float(gbps)) if gbps else None
+        self._storage_read_gbps = float(gbps) if gbps else None
+        # The worker's emulated storage NIC. On a decode node the staging service reads through
+        # its own (the worker reads the store only for requests without the router's orders).
+        self._pacer = ReadPacer(self._storage_read_gbps) \
+            if self._storage_read_gbps and role != KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(
                 layout.block_size, layout.namespace, self._store.contains, role=self._pd_role,
@@ -156,11 +160,10 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not address:
             raise ValueError("DualPathConnector with kv_role kv_consumer (a decode instance) "
                              "needs kv_connector_extra_config.side_channel, host:port")
-        gbps = extra.get_from_extra_config("storage_read_gbps", None)
         self._side_process, pool = spawn_side_channel(
             str(address), str(self._store.root), self._store.full_block_bytes,
             int(extra.get_from_extra_config("staging_blocks", 64)),
-            float(gbps) if gbps else None, extra.get_from_extra_config("event_log", None),
+            self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
             self._layout.namespace.hex())
         self._side_pool = pool
         self._side_address = str(address)

@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
-from dualpath.integrations.vllm.nixl_link import LinkError, NixlLink, Pending
+from dualpath.integrations.vllm.nixl_link import Desc, LinkError, NixlLink, Pending
 from dualpath.integrations.vllm.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.side_channel import (
     SideChannelClient,
@@ -113,6 +113,11 @@ class PrefillRemote:
             self._peers[slot] = client
             return client, self._agents[address]
 
+    def _page_descs(self, layer: int, pairs: Sequence[tuple[int, int]]) -> list[Desc]:
+        """Layer `layer`'s page of each (vLLM block id, staging slot address) pair."""
+        n = self.page_bytes
+        return [(self._bases[layer] + bid * n, slot + layer * n, n) for bid, slot in pairs]
+
     def _drop_peer(self, address: str) -> None:
         with self._lock:
             client = self._peers.pop((address, threading.get_ident()), None)
@@ -135,11 +140,9 @@ class PrefillRemote:
             reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
                                 keys=[k.hex() for k in t.keys])
             slots = [int(a) for a in reply["slots"]]
+            pairs = list(zip(t.block_ids, slots, strict=False))
             pending = self.link.post("READ", peer, [
-                (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
-                 self.page_bytes)
-                for i in range(len(self._bases)) for bid, slot in zip(t.block_ids, slots,
-                                                                       strict=False)])
+                d for i in range(len(self._bases)) for d in self._page_descs(i, pairs)])
             if pending is not None:
                 pending.wait()
             ok = len(slots)
@@ -193,9 +196,7 @@ class PrefillRemote:
                 slots = [int(a) for a in reply["slots"]]
                 pairs = list(zip(t.block_ids, slots, strict=False))
                 for i in range(len(self._bases)):
-                    pending = self.link.post("READ", peer, [
-                        (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
-                         self.page_bytes) for bid, slot in pairs])
+                    pending = self.link.post("READ", peer, self._page_descs(i, pairs))
                     if pending is not None:
                         self._reads[i].append((t.req_id, pending))
             except (SideChannelError, LinkError, OSError) as e:
@@ -239,9 +240,8 @@ class PrefillRemote:
             if not slots:
                 continue
             try:
-                pending = self.link.post("WRITE", self._peer(p.de)[1], [
-                    (self._bases[i] + bid * self.page_bytes, slot + i * self.page_bytes,
-                     self.page_bytes) for bid, slot in slots])
+                pending = self.link.post("WRITE", self._peer(p.de)[1],
+                                         self._page_descs(i, slots))
             except (SideChannelError, LinkError, OSError) as e:
                 self._push_failed(p, e)
                 continue
