@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,11 @@ def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens
     t0 = time.perf_counter()
     ttft = None
     text = []
-    with urllib.request.urlopen(req, timeout=900) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=900)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code} from {url}: {e.read()[:800]!r}") from None
+    with r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -106,13 +111,16 @@ def main() -> int:
     ap.add_argument("--storage-read-gbps", type=float, default=0.4,
                     help="each node's emulated storage NIC for reads (default: %(default)s)")
     ap.add_argument("--model")
+    ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
+                    "here (default: a temporary folder, removed)")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-bench-") as tmp:
-        spec = ClusterSpec(model=args.model, store=Path(tmp) / "store", python=sys.executable,
+        work = args.workdir or Path(tmp)
+        spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
                            extra_args=("--served-model-name", "smollm2"))
         runs: dict[str, list[dict[str, Any]]] = {"basic": [], "dualpath": []}

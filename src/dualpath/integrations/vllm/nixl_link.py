@@ -66,6 +66,46 @@ class Pending:
         return self.num_bytes
 
 
+PROGRESS_DELAY_US = 1000
+"""The longest the UCX progress thread sleeps between polls when nothing wakes it. NIXL's
+Python wrapper sets 0, which makes that thread spin on a core of its own (86% of one of
+this machine's two cores, taken from the vLLM worker next to it); with a delay it sleeps in
+`poll()` on the UCX workers' event fds and wakes as soon as a transfer needs it."""
+
+_config_lock = threading.Lock()
+
+
+def _nixl_agent(name: str, progress_thread: bool) -> Any:
+    """A `nixl_agent` with the UCX backend whose progress thread (if any) waits in `poll()`
+    for up to `PROGRESS_DELAY_US` instead of spinning. The wrapper builds its own
+    `nixlAgentConfig` with `pthrDelay = 0`; for the moment of construction it gets a config
+    class that keeps the delay at `PROGRESS_DELAY_US` or more."""
+    from nixl import _api
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    stock = getattr(_api.nixlBind, "nixlAgentConfig", None)
+    delay = getattr(stock, "pthrDelay", None)
+    if not progress_thread or stock is None or not isinstance(delay, property):
+        return nixl_agent(name, config)
+
+    class _Config(stock):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
+            return int(delay.fget(self))  # type: ignore[misc]
+
+        @pthrDelay.setter
+        def pthrDelay(self, us: int) -> None:  # noqa: N802
+            delay.fset(self, max(int(us), PROGRESS_DELAY_US))  # type: ignore[misc]
+
+    with _config_lock:
+        _api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return nixl_agent(name, config)
+        finally:
+            _api.nixlBind.nixlAgentConfig = stock
+
+
 class NixlLink:
     """A NIXL agent over DRAM regions registered once."""
 
@@ -74,13 +114,10 @@ class NixlLink:
         transfers (the decode node's staging service) needs it; an initiator progresses in
         its own polls, and a progress thread there only takes a core (on 2 cores it starved
         the vLLM worker around it). Default: env DUALPATH_NIXL_PROGRESS_THREAD=1, else off."""
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = f"dualpath-{role}-{uuid.uuid4().hex[:12]}"
         progress = progress_thread if progress_thread is not None else \
             os.environ.get("DUALPATH_NIXL_PROGRESS_THREAD", "0") == "1"
-        self.agent: Any = nixl_agent(self.name, nixl_agent_config(
-            enable_prog_thread=progress, backends=["UCX"]))
+        self.agent: Any = _nixl_agent(self.name, progress)
         self._regions: list[tuple[int, int]] = []
         self._peers: dict[str, str] = {}
         self.lock = threading.Lock()
