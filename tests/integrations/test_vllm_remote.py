@@ -309,3 +309,31 @@ def test_side_channel_process_serves_pulls_and_the_decode_workers_loads(
         proc.terminate()
         assert proc.wait(30) == 0
     assert not list(Path("/dev/shm").glob(f"dualpath-staging-{proc.pid}"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of every thread of process `pid` so far."""
+    import os
+
+    ticks = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(") ", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_side_channel_process_sleeps(tmp_path: Path) -> None:
+    """The staging service's UCX progress thread waits in poll() between transfers: NIXL's
+    Python wrapper would make it spin (about 80% of a core here, taken from vLLM)."""
+    address = f"127.0.0.1:{free_port()}"
+    proc, pool = spawn_side_channel(address, str(tmp_path), FULL, 2, None, None, "ns")
+    try:
+        time.sleep(1.0)  # past start-up
+        before = _cpu_seconds(proc.pid)
+        time.sleep(2.0)
+        busy = (_cpu_seconds(proc.pid) - before) / 2.0
+        assert busy < 0.4, f"the idle side-channel process used {busy:.0%} of a core"
+        pool.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

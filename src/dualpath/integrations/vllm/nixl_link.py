@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,15 +88,20 @@ def _nixl_agent(name: str, progress_thread: bool) -> Any:
     delay = getattr(stock, "pthrDelay", None)
     if not progress_thread or stock is None or not isinstance(delay, property):
         return nixl_agent(name, config)
+    get: Callable[[Any], Any] | None = delay.fget
+    put: Callable[[Any, int], None] | None = delay.fset
+    if get is None or put is None:
+        return nixl_agent(name, config)
+    getter, setter = get, put
 
     class _Config(stock):  # type: ignore[misc, valid-type]
         @property
-        def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
-            return int(delay.fget(self))  # type: ignore[misc]
+        def pthrDelay(self) -> int:  # NIXL's name
+            return int(getter(self))
 
         @pthrDelay.setter
-        def pthrDelay(self, us: int) -> None:  # noqa: N802
-            delay.fset(self, max(int(us), PROGRESS_DELAY_US))  # type: ignore[misc]
+        def pthrDelay(self, us: int) -> None:
+            setter(self, max(int(us), PROGRESS_DELAY_US))
 
     with _config_lock:
         _api.nixlBind.nixlAgentConfig = _Config
