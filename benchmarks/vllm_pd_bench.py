@@ -110,6 +110,9 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=8, help="tokens per turn-2 reply")
     ap.add_argument("--storage-read-gbps", type=float, default=0.4,
                     help="each node's emulated storage NIC for reads (default: %(default)s)")
+    ap.add_argument("--async-loads", action="store_true",
+                    help="the prefill instance loads in the background (connector async_loads):"
+                    " a step does not wait for another request's reads")
     ap.add_argument("--model")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
@@ -122,6 +125,7 @@ def main() -> int:
         work = args.workdir or Path(tmp)
         spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
+                           async_loads=args.async_loads, log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))
         runs: dict[str, list[dict[str, Any]]] = {"basic": [], "dualpath": []}
         with VllmCluster(spec) as cluster, \
@@ -140,7 +144,8 @@ def main() -> int:
            for m, rs in runs.items()}
     summary = {
         "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
-        "agents": args.agents, "repeats": args.repeats, "median": med,
+        "agents": args.agents, "repeats": args.repeats, "async_loads": args.async_loads,
+        "median": med,
         "ratio_dualpath_over_basic": {k: med["dualpath"][k] / med["basic"][k]
                                       for k in ("ttft_s", "jct_s", "batch_s")},
         "hit_bytes_by_side": {m: [r["hit_bytes_by_side"] for r in rs] for m, rs in runs.items()},

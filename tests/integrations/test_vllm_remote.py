@@ -267,6 +267,19 @@ def test_read_pacer_holds_reads_to_the_emulated_rate() -> None:
         ReadPacer(0)
 
 
+def test_read_pacer_books_the_nic_before_the_local_read() -> None:
+    """`reading` queues the bytes on the NIC first: bookings follow each other at the
+    NIC's rate, whatever the local reads between them cost."""
+    pacer = ReadPacer(0.08)  # 10 MB/s: 100_000 B take 10 ms
+    first = pacer.book(100_000)
+    second = pacer.book(100_000)
+    assert second - first == pytest.approx(0.01)
+    with pacer.reading(100_000):
+        pass
+    assert time.monotonic() >= second + 0.01 - 1e-6
+    assert pacer.busy_s == pytest.approx(0.03)
+
+
 def test_side_channel_process_serves_pulls_and_the_decode_workers_loads(
         tmp_path: Path) -> None:
     """The decode node's buffer service as its own process (how the connector runs it):
@@ -337,3 +350,83 @@ def test_an_idle_side_channel_process_sleeps(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+PREFILL_HOST_SCRIPT = """
+import json, sys
+import torch
+from dualpath.core.blocks import block_keys
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.kvio import KVWorker
+from dualpath.integrations.vllm.plan import BlockTransfer, Push, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.remote import PrefillRemote
+
+store_root, address, layers, page, full, heads, bs, ch = json.loads(sys.argv[1])
+keys = block_keys(list(range(2 * bs)), bs)
+store = BlockStore(store_root, full, is_durable=False)
+kv = {n: torch.zeros(8, heads, bs, ch) for n in layers}
+prefill = PrefillRemote(KVWorker(store, layers, page), kv)
+pulled = prefill.pull_whole(RemoteLoad("x", address, BlockTransfer("r", 0, (3, 4), tuple(keys))))
+block = torch.empty(full, dtype=torch.uint8)
+same = []
+for bid, key in zip((3, 4), keys):
+    store.get_into(key, block.numpy())
+    same.append(all(torch.equal(kv[n][bid].flatten().view(torch.uint8),
+                                block[i * page:(i + 1) * page]) for i, n in enumerate(layers)))
+torch.manual_seed(1)
+for n in layers:
+    kv[n][5].copy_(torch.randn(heads, bs, ch))
+plan = StepPlan(pushes=[Push("y", address, "r2", (2,), (3, 4, 5), hit_blocks=2)])
+prefill.bind(plan)
+for n in layers:
+    prefill.capture(n)
+prefill.flush()
+pushed = torch.cat([kv[n][5].flatten().view(torch.uint8) for n in layers])
+print(json.dumps({"pulled": pulled, "same": same, "pushed": prefill.kv.counters.pushed_blocks,
+                  "pushed_bytes": pushed.tolist()}))
+prefill.close()
+"""
+
+
+def test_de_path_between_two_emulated_hosts(tmp_path: Path) -> None:
+    """A prefill worker and a decode node's staging service on two emulated hosts (network
+    namespaces on a bridge, UCX held to TCP on their veth): the DE-side pull and the push
+    of a block the decode side lacks cross the "network", byte for byte."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dualpath.integrations.vllm import netns
+
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    store = BlockStore(tmp_path / "store", FULL, is_durable=False)
+    blocks = [torch.randint(0, 255, (FULL,), dtype=torch.uint8) for _ in range(2)]
+    for key, block in zip(KEYS, blocks, strict=False):
+        store.put(key, block.numpy().data)
+    with netns.Hosts() as hosts:
+        decode_host, prefill_host = hosts.add(), hosts.add()
+        address = f"{decode_host.address}:{free_port()}"
+        proc, pool = spawn_side_channel(address, str(store.root), FULL, 4, None, None, "ns",
+                                        command_prefix=decode_host.command([]),
+                                        env=netns.HOST_ENV)
+        try:
+            args = json.dumps([str(store.root), address, LAYERS, PAGE, FULL, HEADS, BS, CH])
+            run = subprocess.run(prefill_host.command([sys.executable, "-c",
+                                                       PREFILL_HOST_SCRIPT, args]),
+                                 capture_output=True, text=True, timeout=120, check=False,
+                                 env={**os.environ, **netns.HOST_ENV})
+            assert run.returncode == 0, run.stderr[-3000:]
+            out = json.loads(run.stdout.strip().splitlines()[-1])
+            assert out["pulled"] == 2 and out["same"] == [True, True]
+            assert out["pushed"] == 1
+            [slot] = pool.lookup("y", [2])
+            assert slot is not None
+            staged = pool.view(slot)
+            assert staged.tolist() == out["pushed_bytes"]
+            pool.close()
+        finally:
+            proc.terminate()
+            assert proc.wait(30) == 0

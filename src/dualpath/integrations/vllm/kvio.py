@@ -117,10 +117,10 @@ class KVWorker:
 
     def read_block(self, key: bytes, buf: torch.Tensor) -> bool:
         """One Full Block from the store into `buf` (verified), through the emulated NIC."""
-        ok = self.store.get_into(key, buf.numpy())
-        if ok and self.pacer is not None:
-            self.pacer.charge(self.store.full_block_bytes)
-        return ok
+        if self.pacer is None:
+            return bool(self.store.get_into(key, buf.numpy()))
+        with self.pacer.reading(self.store.full_block_bytes):
+            return bool(self.store.get_into(key, buf.numpy()))
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's paged KV tensors, for loads that write whole pages (`load_whole`)."""

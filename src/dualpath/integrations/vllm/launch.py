@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dualpath.integrations.vllm import netns
+
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
 CHATML_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
@@ -87,7 +89,13 @@ class ClusterSpec:
     """Each instance's emulated storage NIC for reads (None: unpaced)."""
     async_loads: bool = False
     """The prefill instances' background loads (`async_loads` of the connector)."""
+    hosts: str = "loopback"
+    """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
+    own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
     extra_args: tuple[str, ...] = ()
+
+
+HOST_MODES = ("loopback", "netns")
 
 
 @dataclass
@@ -101,10 +109,13 @@ class Instance:
     log_path: Path
     event_log: Path | None
     _log: IO[bytes] | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"
+    """The address it serves on (its emulated host's, with `hosts="netns"`)."""
+    netns: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_tail(self, n: int = 30) -> str:
         with contextlib.suppress(OSError):
@@ -137,13 +148,13 @@ def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
 
 
 def server_command(spec: ClusterSpec, port: int, config: dict[str, Any],
-                   chat_template: Path | None = None) -> list[str]:
+                   chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
     template = ["--chat-template", str(chat_template)] if chat_template is not None else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", spec.model, "--tokenizer", spec.model, "--dtype", "float32",
             "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
-            "--host", "127.0.0.1", "--port", str(port),
+            "--host", host, "--port", str(port),
             "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
 
 
@@ -157,8 +168,12 @@ class VllmCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
+        if spec.hosts not in HOST_MODES:
+            raise ValueError(f"hosts must be one of {HOST_MODES}, not {spec.hosts!r}")
         self.spec = spec
         self.instances: list[Instance] = []
+        self.hosts: netns.Hosts | None = None
+        """The emulated hosts' bridge and namespaces (`hosts="netns"`)."""
 
     @property
     def prefill(self) -> list[Instance]:
@@ -183,20 +198,31 @@ class VllmCluster:
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         counts = {"prefill": 0, "decode": 0}
         try:
+            if spec.hosts == "netns":
+                why = netns.available()
+                if why is not None:
+                    raise LaunchError(f"hosts='netns' is not possible here: {why}")
+                self.hosts = netns.Hosts()
+                env.update(netns.HOST_ENV)
             for role in roles:
                 name = f"{role}{counts[role]}"
                 counts[role] += 1
+                host = self.hosts.add() if self.hosts is not None else None
+                address = host.address if host is not None else "127.0.0.1"
                 port = free_port()
-                side = f"127.0.0.1:{free_port()}" if role == "decode" else None
+                side = f"{address}:{free_port()}" if role == "decode" else None
                 events = log_dir / f"{name}.events.jsonl" if spec.event_logs else None
                 log_path = log_dir / f"{name}.log"
                 log = log_path.open("wb")
                 cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events),
-                                     template)
+                                     template, address)
+                if host is not None:
+                    cmd = host.command(cmd)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True, preexec_fn=_die_with_parent)
-                self.instances.append(Instance(name, role, port, side, proc, log_path, events,
-                                               log))
+                self.instances.append(Instance(
+                    name, role, port, side, proc, log_path, events, log, address,
+                    host.netns if host is not None else None))
             for inst in self.instances:
                 self._wait_healthy(inst)
         except BaseException:
@@ -236,6 +262,9 @@ class VllmCluster:
             if inst._log is not None:
                 inst._log.close()
                 inst._log = None
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
 
     def __enter__(self) -> VllmCluster:
         # SIGTERM (a `timeout`, a CI runner) must still stop the servers: make it an exception
@@ -250,4 +279,5 @@ class VllmCluster:
     def describe(self) -> Iterator[str]:
         for inst in self.instances:
             side = f", side channel {inst.side_channel}" if inst.side_channel else ""
-            yield f"{inst.name:9s} {inst.url}{side}  (log {inst.log_path})"
+            where = f", netns {inst.netns}" if inst.netns else ""
+            yield f"{inst.name:9s} {inst.url}{side}{where}  (log {inst.log_path})"

@@ -222,11 +222,12 @@ class DecodeSideChannel:
         slots = self.pool.alloc(xfer, blocks)
         ok = 0
         for slot, key in zip(slots, keys, strict=True):
-            if not self.store.get_into(key, self.pool.view(slot).numpy()):
+            with self.pacer.reading(self.store.full_block_bytes) if self.pacer is not None \
+                    else contextlib.nullcontext():
+                is_read = self.store.get_into(key, self.pool.view(slot).numpy())
+            if not is_read:
                 self.num_stage_errors += 1
                 break  # the prefill side recomputes from the first failed block on
-            if self.pacer is not None:
-                self.pacer.charge(self.store.full_block_bytes)
             ok += 1
         self.pool.mark_staged(xfer, blocks[:ok])
         self.num_staged_blocks += ok
@@ -335,13 +336,15 @@ class RemotePool:
 def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num_slots: int,
                        storage_read_gbps: float | None, event_log: str | None,
                        namespace: str, timeout_s: float = 120.0,
+                       command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
                        ) -> tuple[Any, RemotePool]:
-    """Start the side-channel process on `address`; returns it and the worker's pool view."""
+    """Start the side-channel process on `address`; returns it and the worker's pool view.
+    `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host)."""
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "dualpath.integrations.vllm.side_channel",
+    cmd = [*command_prefix, sys.executable, "-m", "dualpath.integrations.vllm.side_channel",
            "--address", address, "--store", store_root, "--full-block-bytes",
            str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
            "--parent", str(os.getpid())]
@@ -349,7 +352,7 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
         cmd += ["--event-log", event_log]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
