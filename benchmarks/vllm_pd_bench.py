@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dualpath.integrations.vllm.launch import ClusterSpec, VllmCluster
+from dualpath.integrations.vllm.launch import HOST_MODES, ClusterSpec, VllmCluster
 from vllm_pd_demo import router, stats
 
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
@@ -116,6 +116,10 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
+    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback",
+                    help="loopback: every server on 127.0.0.1; netns: each server on an "
+                    "emulated host of its own (a network namespace on a bridge, UCX over TCP; "
+                    "needs root) (default: %(default)s)")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
@@ -124,6 +128,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-bench-") as tmp:
         work = args.workdir or Path(tmp)
         spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
+                           hosts=args.hosts,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
                            async_loads=args.async_loads, log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.launch import ClusterSpec, Instance, VllmCluster
+from dualpath.integrations.vllm.launch import HOST_MODES, ClusterSpec, Instance, VllmCluster
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest, prefix_keys
 from dualpath.runtime.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
@@ -179,6 +179,10 @@ def main() -> int:
     ap.add_argument("--turn2-tokens", type=int, default=16)
     ap.add_argument("--workdir", type=Path, help="keep the store, logs and event logs here "
                     "(default: a temporary folder, removed)")
+    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback",
+                    help="loopback: every server on 127.0.0.1; netns: each server on an "
+                    "emulated host of its own (a network namespace on a bridge, UCX over TCP; "
+                    "needs root) (default: %(default)s)")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
@@ -190,6 +194,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-pd-") as tmp:
         work = args.workdir or Path(tmp)
         spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
+                           hosts=args.hosts,
                            extra_args=("--enable-prompt-tokens-details",
                                        "--served-model-name", "smollm2"))
         t = time.perf_counter()
@@ -255,7 +260,8 @@ def main() -> int:
             routed["stats_dual"]["requests_by_path"]["de"] >= 1
             and len(set(routed["replies_dual"])) == 1),
     }
-    summary = {"startup_s": startup_s, "block_size": bs, "turn1_prompt_tokens": len(p1),
+    summary = {"hosts": args.hosts, "startup_s": startup_s, "block_size": bs,
+               "turn1_prompt_tokens": len(p1),
                "turn2_prompt_tokens": len(p2), "hit_blocks": hit,
                "runs": {k: {x: v for x, v in r.items() if x != "out"} for k, r in runs.items()},
                "pulls": pulls, "pushes": pushes,

@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--staging-blocks", type=int, default=32, metavar="N",
                     help="Full Block slots of each decode node's staging buffer "
                     "(default: %(default)s)")
+    up.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                    help="loopback: every server on 127.0.0.1; netns: each server on an "
+                    "emulated host of its own, a network namespace on a bridge, reached over "
+                    "veth and TCP (UCX too; needs root) (default: %(default)s)")
     up.set_defaults(func=run_up)
 
 
@@ -77,7 +81,7 @@ def run_up(args: argparse.Namespace) -> int:
                            num_prefill=args.prefill, num_decode=args.decode,
                            log_dir=Path(tmp) if args.store is None else store.parent,
                            staging_blocks=args.staging_blocks,
-                           storage_read_gbps=args.storage_read_gbps)
+                           storage_read_gbps=args.storage_read_gbps, hosts=args.hosts)
         print(f"dualpath vllm up: starting {args.prefill} prefill + {args.decode} decode vLLM "
               f"servers (a minute or two on CPU) ...", file=sys.stderr, flush=True)
         with VllmCluster(spec) as cluster:

@@ -1,0 +1,119 @@
+"""`launch.VllmCluster` without vLLM: a stand-in `vllm.entrypoints.openai.api_server` (a tiny
+HTTP server on the `--host`/`--port` it is given) shows what each instance is started with and
+where it runs, on loopback and on emulated hosts (network namespaces, when this machine allows
+them), and that stopping the cluster leaves no process, namespace or bridge behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dualpath.integrations.vllm import netns
+from dualpath.integrations.vllm.launch import ClusterSpec, LaunchError, VllmCluster
+
+STAND_IN = '''
+import argparse, json, os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--host"); ap.add_argument("--port", type=int)
+ap.add_argument("--kv-transfer-config")
+args, _ = ap.parse_known_args()
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"netns": os.readlink("/proc/self/ns/net"),
+                           "config": json.loads(args.kv_transfer_config),
+                           "ucx_tls": os.environ.get("UCX_TLS")}).encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+
+HTTPServer((args.host, args.port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(STAND_IN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    return tmp_path
+
+
+def spec(tmp: Path, hosts: str) -> ClusterSpec:
+    return ClusterSpec(model=str(tmp), store=tmp / "store", python=sys.executable,
+                       num_decode=2, hosts=hosts, startup_timeout_s=60)
+
+
+def whoami(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/whoami", timeout=10) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def test_loopback_cluster_roles_and_side_channels(stand_in: Path) -> None:
+    with VllmCluster(spec(stand_in, "loopback")) as cluster:
+        assert [i.name for i in cluster.instances] == ["prefill0", "decode0", "decode1"]
+        for inst in cluster.instances:
+            me = whoami(inst.url)
+            assert me["netns"] == os.readlink("/proc/self/ns/net")
+            extra = me["config"]["kv_connector_extra_config"]
+            assert me["config"]["kv_role"] == ("kv_producer" if inst.role == "prefill"
+                                               else "kv_consumer")
+            if inst.role == "decode":
+                assert extra["side_channel"] == inst.side_channel
+                assert inst.side_channel is not None
+                assert inst.side_channel.startswith("127.0.0.1:")
+        procs = [i.process for i in cluster.instances]
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_netns_cluster_puts_each_instance_on_its_own_host(stand_in: Path) -> None:
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    with VllmCluster(spec(stand_in, "netns")) as cluster:
+        assert cluster.hosts is not None
+        names = {h.netns for h in cluster.hosts.hosts}
+        seen = set()
+        for inst in cluster.instances:
+            me = whoami(inst.url)  # reached from this namespace, through the bridge
+            assert inst.host != "127.0.0.1" and inst.netns in names
+            assert me["netns"] != os.readlink("/proc/self/ns/net")
+            assert me["ucx_tls"] == netns.HOST_ENV["UCX_TLS"]
+            seen.add(me["netns"])
+            if inst.role == "decode":
+                assert inst.side_channel == (
+                    me["config"]["kv_connector_extra_config"]["side_channel"])
+                assert inst.side_channel is not None
+                assert inst.side_channel.startswith(inst.host + ":")
+        assert len(seen) == 3
+        bridge = cluster.hosts.bridge
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not names & {line.split()[0] for line in listed.splitlines() if line.strip()}
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert bridge not in links
+
+
+def test_a_bad_hosts_mode_is_refused(stand_in: Path) -> None:
+    with pytest.raises(ValueError, match="hosts must be one of"):
+        VllmCluster(spec(stand_in, "docker"))
+
+
+def test_netns_refused_with_the_reason_when_unavailable(stand_in: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "available", lambda: "network namespaces need root")
+    with pytest.raises(LaunchError, match="need root"):
+        VllmCluster(spec(stand_in, "netns")).start()
