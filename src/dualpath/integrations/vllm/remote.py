@@ -101,7 +101,10 @@ class PrefillRemote:
         if client is not None and agent is not None:
             return client, agent
         client = SideChannelClient(address)
-        info = client.hello(self.link.metadata() if agent is None else b"")
+        # This worker's agent is not sent: the decode side is only ever the target of
+        # one-sided READs and WRITEs, and its connecting back while this worker (no progress
+        # thread) was in a forward hung loadRemoteMD here for good over TCP (emulated hosts).
+        info = client.hello(b"")
         if int(info["full_block_bytes"]) != self.kv.store.full_block_bytes:
             client.close()
             raise SideChannelError(f"decode instance {address} holds "

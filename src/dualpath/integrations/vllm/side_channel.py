@@ -12,7 +12,7 @@ will load into its paged KV when the request arrives for decoding:
 
 Messages (request -> reply), each one line of JSON:
 
-    {"op": "hello", "agent": b64}                -> {"agent": b64, "full_block_bytes", ...}
+    {"op": "hello", "agent": b64 or ""}          -> {"agent": b64, "full_block_bytes", ...}
     {"op": "stage", "xfer", "first_block", "keys": [hex]}  -> {"slots": [addr], "ok": n}
     {"op": "alloc", "xfer", "blocks": [index]}   -> {"slots": [addr]}
     {"op": "commit", "xfer"}                     -> {"ok": true}
