@@ -23,10 +23,14 @@ DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_pd_demo.py"
 
 
 def test_pd_read_paths_give_identical_tokens() -> None:
-    proc = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
-                          timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from dualpath.integrations.vllm import netns
+
+    hosts = "netns" if netns.available() is None else "loopback"
+    proc = subprocess.run([sys.executable, str(DEMO), "--hosts", hosts], capture_output=True,
+                          text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stdout.strip(), proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
+    assert summary["hosts"] == hosts
     failed = [name for name, ok in summary["checks"].items() if not ok]
     assert not failed, (failed, json.dumps(summary, indent=1)[-4000:])
     assert proc.returncode == 0
