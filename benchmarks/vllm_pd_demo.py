@@ -223,7 +223,12 @@ def main() -> int:
             data[64 + 1000] ^= 0xFF
             victim.write_bytes(bytes(data))
             runs["de_corrupt"] = pd_turn(cluster, model, p2, args.turn2_tokens, hit, 0)
-            rewritten = store.get_into(keys[hit - 1], bytearray(store.full_block_bytes))
+            rewritten = False  # the decode server writes it in the background: allow 10 s
+            for _ in range(20):
+                rewritten = store.get_into(keys[hit - 1], bytearray(store.full_block_bytes))
+                if rewritten:
+                    break
+                time.sleep(0.5)
             n_pulls = sum(e["event"] == "pull" for e in cluster.prefill[0].events())
             routed = router_phase(cluster, spec.store, model)
             events = {i.name: i.events() for i in cluster.instances}

@@ -133,3 +133,38 @@ def test_a_page_of_another_size_is_refused(tmp_path: Path) -> None:
         worker.capture("model.layers.9.self_attn.attn", paged(0)[LAYERS[0]])
     with pytest.raises(LayoutError, match="store holds"):
         KVWorker(worker.store, LAYERS[:2], PAGE_BYTES)
+
+
+def test_background_saves_land_and_are_counted(tmp_path: Path) -> None:
+    """`background_saves`: the step hands its staged blocks to a writer thread (the pages were
+    copied in capture, so the paged KV may change at once); `drain` waits for them."""
+    store = BlockStore(tmp_path / "store", len(LAYERS) * PAGE_BYTES, is_durable=False)
+    worker = KVWorker(store, LAYERS, PAGE_BYTES, background_saves=True, max_pending_saves=2)
+    src = paged(3)
+    expected = {n: t.clone() for n, t in src.items()}
+    save_step(worker, src, BlockTransfer("a", 0, (5, 2), tuple(KEYS[:2])))
+    for t in src.values():
+        t.zero_()  # vLLM reuses the blocks: the saved bytes are the captured ones
+    save_step(worker, paged(4), BlockTransfer("b", 2, (1,), (KEYS[2],)))  # waits: over 2
+    save_step(worker, paged(5), BlockTransfer("a", 0, (5,), (KEYS[0],)))  # stored: skipped
+    worker.drain()
+    assert worker.counters.saved_blocks == 3 and worker.counters.skipped_saves == 1
+    dst = paged()
+    assert load_step(worker, dst, BlockTransfer("c", 0, (0, 7), tuple(KEYS[:2]))) == set()
+    for name in LAYERS:
+        assert torch.equal(dst[name][0], expected[name][5])
+        assert torch.equal(dst[name][7], expected[name][2])
+    worker.close()
+
+
+def test_a_failed_background_save_is_counted_not_raised(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path / "store", len(LAYERS) * PAGE_BYTES, is_durable=False)
+    worker = KVWorker(store, LAYERS, PAGE_BYTES, background_saves=True)
+
+    def broken_put(*args: object, **kwargs: object) -> bool:
+        raise OSError("disk full")
+
+    store.put = broken_put  # type: ignore[method-assign]
+    save_step(worker, paged(6), BlockTransfer("a", 0, (5,), (KEYS[0],)))
+    worker.close()
+    assert worker.counters.failed_saves == 1 and worker.counters.saved_blocks == 0

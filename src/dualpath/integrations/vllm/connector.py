@@ -8,7 +8,9 @@ Register it with
                      kv_connector_extra_config={"store_path": "/path/to/store"})
 
 Extra config: `store_path` (required; a folder, local or a shared mount), `durable` (fsync
-each block, default true), `event_log` (a JSON-lines file of loads and saves, default none).
+each block, default true), `event_log` (a JSON-lines file of loads and saves, default none),
+`background_saves` (write new blocks from a writer thread, not in the step; default true on a
+decode instance, false otherwise).
 
 Step 1 of issue #20 (the PE read path on one instance): every full block of every request is
 persisted when the step that computes its last token ends; a later request whose prefix is
@@ -134,9 +136,13 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                           block_size=layout.block_size,
                           full_block_bytes=self._store.full_block_bytes).write(store_path)
         else:
-            self._worker = KVWorker(self._store, layout.layer_names, layout.page_bytes,
-                                    event_log=extra.get_from_extra_config("event_log", None),
-                                    pacer=self._pacer)
+            # A decode node writes its new blocks in the background by default: its steps are
+            # the latency users see, and the next turn comes after a router round trip.
+            self._worker = KVWorker(
+                self._store, layout.layer_names, layout.page_bytes,
+                event_log=extra.get_from_extra_config("event_log", None), pacer=self._pacer,
+                background_saves=bool(extra.get_from_extra_config(
+                    "background_saves", self._pd_role == "decode")))
             if self._pd_role == "decode":
                 self._start_side_channel(extra)
             self._worker.log_event({"event": "init", "role": self._pd_role,
@@ -181,6 +187,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loader = AsyncLoader(self._worker, self._prefill)
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()  # the background saves land first
         if self._loader is not None:
             self._loader.close()
         if self._prefill is not None:

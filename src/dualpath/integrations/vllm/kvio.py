@@ -18,7 +18,12 @@ Per step (`bind` .. `finish_step`), in vLLM's calling order:
    save is copied into a staging Full Block. Blocks already stored are skipped, and so is every
    block of a request with a load error in this step (its KV is recomputed next step).
 4. `flush()` after the forward: staged saves are written (atomic, checksummed); a failed put
-   is counted and the block is a later miss.
+   is counted and the block is a later miss. With `background_saves` the writes (and their
+   fsyncs) go to one writer thread instead, so the step does not wait for the disk: the
+   pages were copied out in `capture`, vLLM may reuse the blocks at once, and a later request
+   sees a block as stored only once its file is complete (the store's atomic rename). At most
+   `max_pending_saves` blocks wait; a step that would exceed that waits for the oldest.
+   `drain()` waits for them all (the connector's shutdown).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,7 +80,8 @@ class KVWorker:
     """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors."""
 
     def __init__(self, store: BlockStore, layer_names: Sequence[str], page_bytes: int,
-                 event_log: Path | str | None = None, pacer: ReadPacer | None = None) -> None:
+                 event_log: Path | str | None = None, pacer: ReadPacer | None = None,
+                 background_saves: bool = False, max_pending_saves: int = 64) -> None:
         if store.full_block_bytes != len(layer_names) * page_bytes:
             raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
                               f"{len(layer_names)} layers x {page_bytes} B pages were given")
@@ -92,6 +100,11 @@ class KVWorker:
         self._saves: list[_Staged] | None = None
         self._failed_reqs: set[str] = set()
         self._error_block_ids: set[int] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpath-save") \
+            if background_saves else None
+        self.max_pending_saves = max_pending_saves
+        self._pending: deque[tuple[Future[None], int]] = deque()
+        """Background writes not yet waited for: (future, blocks)."""
 
     # -- step ------------------------------------------------------------------------------
     def bind(self, plan: StepPlan) -> None:
@@ -174,18 +187,50 @@ class KVWorker:
 
     def flush(self) -> None:
         """Write the staged saves (after the forward); every layer must have been captured."""
-        for s in self._saves or ():
+        saves, self._saves = self._saves or [], None
+        self._loaded = []
+        if not saves:
+            return
+        if self._writer is None:
+            self._write(saves)
+            return
+        self._reap(len(saves))
+        self._pending.append((self._writer.submit(self._write, saves), len(saves)))
+
+    def _write(self, saves: list[_Staged]) -> None:
+        t0 = time.perf_counter()
+        for s in saves:
             try:
-                if self.store.put(s.key, s.buf.numpy().data, overwrite=False):
+                is_new = self.store.put(s.key, s.buf.numpy().data, overwrite=False)
+            except OSError:
+                is_new = None
+            with self._log_lock:
+                if is_new is None:
+                    self.counters.failed_saves += 1
+                elif is_new:
                     self.counters.saved_blocks += 1
                 else:
                     self.counters.skipped_saves += 1
-            except OSError:
-                self.counters.failed_saves += 1
-        if self._saves:
-            self.log_event({"event": "save", "blocks": len(self._saves)})
-        self._saves = None
-        self._loaded = []
+        self.log_event({"event": "save", "blocks": len(saves),
+                        "background": self._writer is not None,
+                        "s": round(time.perf_counter() - t0, 4)})
+
+    def _reap(self, adding: int) -> None:
+        """Forget finished background writes; wait for the oldest while more than
+        `max_pending_saves` blocks (with `adding` more) would be waiting."""
+        while self._pending and (self._pending[0][0].done() or sum(
+                n for _, n in self._pending) + adding > self.max_pending_saves):
+            self._pending.popleft()[0].result()
+
+    def drain(self) -> None:
+        """Wait for every background write (their failures are counted, not raised)."""
+        while self._pending:
+            self._pending.popleft()[0].result()
+
+    def close(self) -> None:
+        self.drain()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def report_load_error(self, req_id: str, block_id: int) -> None:
         """A block of `req_id` that did not load: vLLM recomputes from it on, and nothing of
