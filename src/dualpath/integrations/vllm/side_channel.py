@@ -307,12 +307,17 @@ class RemotePool:
 
     def __init__(self, client: SideChannelClient, shm_name: str, num_slots: int,
                  full_block_bytes: int) -> None:
-        from multiprocessing import shared_memory
+        from multiprocessing import resource_tracker, shared_memory
 
         self.client = client
         self.num_slots = num_slots
         self.full_block_bytes = full_block_bytes
         self._shm = shared_memory.SharedMemory(name=shm_name, create=False)
+        # Python < 3.13 registers an attached segment with this process's resource tracker,
+        # which would unlink the service's buffer (and warn of a "leak") when this one exits.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(getattr(self._shm, "_name", "/" + shm_name),
+                                        "shared_memory")
         self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
