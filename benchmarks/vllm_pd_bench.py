@@ -11,7 +11,11 @@ the last one), and the router's `/stats` gives the hit bytes per read side. Mode
 run, are printed as JSON. The NICs are emulated (a token bucket per node); say so when quoting.
 
 Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
-[--repeats 2] [--storage-read-gbps 0.4]` (a few minutes on 2 cores).
+[--repeats 2] [--storage-read-gbps 0.1] [--loads async|sync] [--hosts loopback|netns]`
+(about 7 minutes on 2 cores). The defaults make the run storage-bound here: 4 agents x 7
+stored blocks (5.9 MB each, SmolLM2 fp32) through 0.1 Gb/s per node is 13 s of reads on one
+NIC against about 1 s of prefill compute per agent, and the prefill instance loads in the
+background (`--loads sync` makes each prefill step wait for its own reads as well).
 """
 
 from __future__ import annotations
@@ -108,11 +112,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--filler", type=int, default=30, help="filler sentences per system prompt")
     ap.add_argument("--gen", type=int, default=8, help="tokens per turn-2 reply")
-    ap.add_argument("--storage-read-gbps", type=float, default=0.4,
+    ap.add_argument("--storage-read-gbps", type=float, default=0.1,
                     help="each node's emulated storage NIC for reads (default: %(default)s)")
-    ap.add_argument("--async-loads", action="store_true",
-                    help="the prefill instance loads in the background (connector async_loads):"
-                    " a step does not wait for another request's reads")
+    ap.add_argument("--loads", choices=("async", "sync"), default="async",
+                    help="async: the prefill instance loads in the background (connector "
+                    "async_loads), a step does not wait for other requests' reads; sync: "
+                    "each step waits for its own (default: %(default)s)")
     ap.add_argument("--model")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
@@ -130,7 +135,7 @@ def main() -> int:
         spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            hosts=args.hosts,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
-                           async_loads=args.async_loads, log_dir=work,
+                           async_loads=args.loads == "async", log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))
         runs: dict[str, list[dict[str, Any]]] = {"basic": [], "dualpath": []}
         with VllmCluster(spec) as cluster, \
@@ -149,7 +154,8 @@ def main() -> int:
            for m, rs in runs.items()}
     summary = {
         "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
-        "agents": args.agents, "repeats": args.repeats, "async_loads": args.async_loads,
+        "agents": args.agents, "repeats": args.repeats, "loads": args.loads,
+        "hosts": args.hosts,
         "median": med,
         "ratio_dualpath_over_basic": {k: med["dualpath"][k] / med["basic"][k]
                                       for k in ("ttft_s", "jct_s", "batch_s")},
