@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up
+.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck
 
 setup: $(STAMP) $(COMPILED)
 
@@ -100,6 +100,12 @@ vllm-demo: $(VLLM_STAMP)
 # demo's router runs in .venv, hence $(STAMP). About 7 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_pd.py
+
+# mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
+# lives in its own venv); about 3 minutes here, so not part of `make test`.
+vllm-typecheck: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/mypy --python-executable $(VLLM_PY) --follow-imports=silent \
+	  src/dualpath/integrations/vllm/connector.py
 
 # A 1P1D cluster of vLLM servers with the connector, and the router on :8000 (Ctrl-C stops;
 # DECODE=2 for 1P2D).

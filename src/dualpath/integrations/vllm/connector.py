@@ -121,6 +121,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side_process: Any = None
         self._side_pool: RemotePool | None = None
         self._loader: AsyncLoader | None = None
+        self._plan = StepPlan()
+        """The step's plan (worker side, from `bind_connector_metadata`)."""
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
         self._storage_read_gbps = float(gbps) if gbps else None
         # The worker's emulated storage NIC. On a decode node the staging service reads through
@@ -209,6 +211,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         assert isinstance(connector_metadata, DualPathConnectorMetadata)
         plan = connector_metadata.plan
+        self._plan = plan
         self._worker.bind(plan)
         if self._prefill is not None:
             self._prefill.bind(plan)
@@ -228,7 +231,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._prefill is not None:
                 self._prefill.load()
             if self._loader is not None:
-                self._loader.submit(self._get_connector_metadata().plan)
+                self._loader.submit(self._plan)
             if self._decode is not None:
                 self._decode.load()
 
