@@ -117,3 +117,21 @@ def test_netns_refused_with_the_reason_when_unavailable(stand_in: Path,
     monkeypatch.setattr(netns, "available", lambda: "network namespaces need root")
     with pytest.raises(LaunchError, match="need root"):
         VllmCluster(spec(stand_in, "netns")).start()
+
+
+def test_hosts_left_by_a_killed_run_are_replaced() -> None:
+    """A run killed before `close` leaves its namespaces, veths and bridge; the next one with
+    the same tag (a pid, so the owner is gone) removes them instead of failing."""
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    stale = netns.Hosts(tag="99991")
+    stale.add()
+    stale.add()
+    with netns.Hosts(tag="99991") as fresh:
+        host = fresh.add()
+        assert host.netns == "dp99991h0"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "dp99991h" not in listed
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "dpbr99991" not in links and "dpv99991h" not in links

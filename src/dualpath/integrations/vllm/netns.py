@@ -86,6 +86,7 @@ class Hosts:
 
     def __post_init__(self) -> None:
         self.bridge = f"dpbr{self.tag}"
+        self._remove_stale()
         self.subnet = _free_subnet(int(self.tag))
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
@@ -94,6 +95,25 @@ class Hosts:
         except NetnsError:
             self.close()
             raise
+
+    def _remove_stale(self) -> None:
+        """Names of this tag left by a killed run (the tag is a pid: its owner is gone)."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                check=False).stdout
+        for line in listed.splitlines():
+            name = line.split(" ", 1)[0]
+            if name.startswith(f"dp{self.tag}h"):
+                with contextlib.suppress(NetnsError):
+                    _ip("netns", "del", name)
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True,
+                               check=False).stdout
+        for line in links.splitlines():
+            name = line.split(": ", 2)[1].split("@", 1)[0] if ": " in line else ""
+            if name.startswith(f"dpv{self.tag}h"):
+                with contextlib.suppress(NetnsError):
+                    _ip("link", "del", name)
+        with contextlib.suppress(NetnsError):
+            _ip("link", "del", self.bridge)
 
     @property
     def gateway(self) -> str:
