@@ -94,7 +94,7 @@ vllm-demo: $(VLLM_STAMP)
 
 # The tests that need vllm (skipped in .venv): one instance (the PE read path, persistence,
 # a corrupt block) and P/D servers with the router (both read paths over NIXL); the P/D
-# demo's router runs in .venv, hence $(STAMP). About 7 minutes on 2 cores.
+# demo's router runs in .venv, hence $(STAMP). About 3 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_pd.py
 
