@@ -125,13 +125,24 @@ def test_hosts_left_by_a_killed_run_are_replaced() -> None:
     why = netns.available()
     if why is not None:
         pytest.skip(why)
-    stale = netns.Hosts(tag="99991")
+    stale = netns.Hosts(tag="99991z")
     stale.add()
     stale.add()
-    with netns.Hosts(tag="99991") as fresh:
+    with netns.Hosts(tag="99991z") as fresh:
         host = fresh.add()
-        assert host.netns == "dp99991h0"
+        assert host.netns == "dp99991zh0"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "dp99991h" not in listed
+    assert "dp99991zh" not in listed
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert "dpbr99991" not in links and "dpv99991h" not in links
+    assert "dpbr99991z" not in links and "dpv99991zh" not in links
+
+
+def test_two_sets_of_hosts_in_one_process_do_not_meet() -> None:
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    with netns.Hosts() as a, netns.Hosts() as b:
+        ha, hb = a.add(), b.add()
+        assert a.tag != b.tag and a.bridge != b.bridge and a.subnet != b.subnet
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert ha.netns in listed and hb.netns in listed

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import os
 import shutil
 import subprocess
@@ -64,12 +65,15 @@ class Host:
         return ["ip", "netns", "exec", self.netns, *argv]
 
 
-def _free_subnet(tag: int) -> ipaddress.IPv4Network:
-    """A /24 in 10.0.0.0/8 that no interface of the root namespace uses, picked from `tag`."""
+_made = itertools.count()
+
+
+def _free_subnet(seed: int) -> ipaddress.IPv4Network:
+    """A /24 in 10.0.0.0/8 that no interface of the root namespace uses, picked from `seed`."""
     used = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
                           check=False).stdout
     for i in range(256):
-        n = (tag + i * 7919) % 65536
+        n = (seed + i * 7919) % 65536
         if f" 10.{n >> 8}.{n & 255}." not in used:
             return ipaddress.IPv4Network(f"10.{n >> 8}.{n & 255}.0/24")
     raise NetnsError("no free 10.x.y.0/24 subnet for the emulated hosts")
@@ -79,7 +83,9 @@ def _free_subnet(tag: int) -> ipaddress.IPv4Network:
 class Hosts:
     """A bridge and the namespaces plugged into it; `close()` removes them all."""
 
-    tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    tag: str = field(default_factory=lambda: f"{os.getpid()}{chr(97 + next(_made) % 26)}")
+    """Part of every name: this process's pid and a letter per `Hosts` it made (no live
+    process shares the pid, so whatever bears the tag was left by a run that is gone)."""
     bridge: str = ""
     subnet: ipaddress.IPv4Network | None = None
     hosts: list[Host] = field(default_factory=list)
@@ -87,7 +93,7 @@ class Hosts:
     def __post_init__(self) -> None:
         self.bridge = f"dpbr{self.tag}"
         self._remove_stale()
-        self.subnet = _free_subnet(int(self.tag))
+        self.subnet = _free_subnet(sum(ord(c) * 31 ** i for i, c in enumerate(self.tag)))
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.subnet.network_address + 1}/24", "dev", self.bridge)
