@@ -1,13 +1,14 @@
 """Basic vs DualPath through vLLM, storage-bound: TTFT and JCT of concurrent agent turns whose
 stored prefix is read through emulated storage NICs (`storage_read_gbps` on every node).
 
-One 1P1D cluster of vLLM servers (SmolLM2, CPU) and two routers on it, `basic` (every hit read
-by the prefill node's NIC) and `dualpath` (the shorter read queue). Per repeat and mode, a
+One 1P1D cluster of vLLM servers (SmolLM2, CPU) and a router per mode on it, `basic` (every hit
+read by the prefill node's NIC), `dualpath` (the shorter read queue) and, with `--modes`,
+`split` (each request's hit split across both NICs). Per repeat and mode, a
 fresh set of agents (distinct long system prompts of the same length, so both modes see the
 same hit pattern): turn 1 of each agent is computed and persisted (not timed), then turn 2 of
 all agents is sent at once through that mode's router (streamed: TTFT = first chunk, JCT =
 the last one), and the router's `/stats` gives the hit bytes per read side. Modes alternate
-(basic, dualpath, basic, ...); medians over repeats and the dualpath / basic ratios, from one
+(basic, dualpath, basic, ...); medians over repeats and the ratios to basic, from one
 run, are printed as JSON. The NICs are emulated (a token bucket per node); say so when quoting.
 
 Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
@@ -21,6 +22,7 @@ background (`--loads sync` makes each prefill step wait for its own reads as wel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -118,6 +120,9 @@ def main() -> int:
                     help="async: the prefill instance loads in the background (connector "
                     "async_loads), a step does not wait for other requests' reads; sync: "
                     "each step waits for its own (default: %(default)s)")
+    ap.add_argument("--modes", default="basic,dualpath",
+                    help="routers to compare, comma-separated, basic first (basic, dualpath, "
+                    "split; default: %(default)s)")
     ap.add_argument("--model")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
@@ -126,6 +131,10 @@ def main() -> int:
                     "emulated host of its own (a network namespace on a bridge, UCX over TCP; "
                     "needs root) (default: %(default)s)")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or modes[0] != "basic" or not set(modes) <= {"basic", "dualpath", "split"}:
+        ap.error(f"--modes must start with basic and name only basic, dualpath, split: "
+                 f"{args.modes!r}")
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
 
@@ -137,13 +146,12 @@ def main() -> int:
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
                            async_loads=args.loads == "async", log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))
-        runs: dict[str, list[dict[str, Any]]] = {"basic": [], "dualpath": []}
-        with VllmCluster(spec) as cluster, \
-                router(cluster, spec.store, "--mode", "basic") as basic, \
-                router(cluster, spec.store, "--mode", "dualpath") as dual:
-            urls = {"basic": basic, "dualpath": dual}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        with VllmCluster(spec) as cluster, contextlib.ExitStack() as stack:
+            urls = {m: stack.enter_context(router(cluster, spec.store, "--mode", m))
+                    for m in modes}
             for rep in range(args.repeats):
-                for mode in ("basic", "dualpath"):
+                for mode in modes:
                     agents = [f"{mode}-{rep}-{i}" for i in range(args.agents)]
                     r = run_mode(urls[mode], "smollm2", agents, args.filler, args.gen)
                     print(f"== {mode} repeat {rep}: TTFT {r['ttft_s']:.2f} s, JCT "
@@ -157,8 +165,9 @@ def main() -> int:
         "agents": args.agents, "repeats": args.repeats, "loads": args.loads,
         "hosts": args.hosts,
         "median": med,
-        "ratio_dualpath_over_basic": {k: med["dualpath"][k] / med["basic"][k]
-                                      for k in ("ttft_s", "jct_s", "batch_s")},
+        "ratio_over_basic": {m: {k: med[m][k] / med["basic"][k]
+                                 for k in ("ttft_s", "jct_s", "batch_s")}
+                             for m in modes if m != "basic"},
         "hit_bytes_by_side": {m: [r["hit_bytes_by_side"] for r in rs] for m, rs in runs.items()},
     }
     print(json.dumps(summary, indent=1))
