@@ -141,3 +141,26 @@ def test_resumed_request_replaces_its_blocks(tmp_path: Path) -> None:
     planner.schedule_cached("r", None, is_resumed=False, num_computed_tokens=9,
                             num_scheduled_tokens=1)
     assert planner.take_plan().is_empty
+
+
+def test_model_identity_names_the_weights_not_the_path(tmp_path: Path) -> None:
+    """The same weights at two paths (two hosts' mounts) share a namespace; other weights,
+    or another config, do not; a hub id is itself."""
+    from dualpath.integrations.vllm.plan import SAMPLE_BYTES, model_identity
+
+    def folder(name: str, weights: bytes, config: str = '{"hidden_size": 8}') -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(config)
+        (d / "model.safetensors").write_bytes(weights)
+        (d / "README.md").write_text(name)  # not part of the identity
+        return str(d)
+
+    weights = bytes(range(256)) * (3 * SAMPLE_BYTES // 256)
+    a = model_identity(folder("a", weights))
+    assert model_identity(folder("b", weights)) == a
+    tail_changed = weights[:-1] + b"\x01"
+    assert model_identity(folder("c", tail_changed)) != a
+    assert model_identity(folder("d", weights, '{"hidden_size": 16}')) != a
+    assert model_identity("HuggingFaceTB/SmolLM2-135M-Instruct") == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"

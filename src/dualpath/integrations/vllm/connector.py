@@ -42,7 +42,7 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.kvio import KVWorker
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.pacing import ReadPacer
-from dualpath.integrations.vllm.plan import Planner, StepPlan, namespace_key
+from dualpath.integrations.vllm.plan import Planner, StepPlan, model_identity, namespace_key
 from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
 from dualpath.integrations.vllm.side_channel import RemotePool, spawn_side_channel
 
@@ -87,8 +87,9 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Layout:
     page_bytes = int(spec.page_size_bytes)
     layer_names = list(groups[0].layer_names)
     mc = vllm_config.model_config
-    namespace = namespace_key(FORMAT_TAG, mc.model, str(mc.dtype), block_size, page_bytes,
-                              len(layer_names), kv_cache_config.kv_cache_layout)
+    namespace = namespace_key(FORMAT_TAG, model_identity(str(mc.model)), str(mc.dtype),
+                              block_size, page_bytes, len(layer_names),
+                              kv_cache_config.kv_cache_layout)
     return _Layout(block_size, layer_names, page_bytes, namespace)
 
 
