@@ -225,6 +225,12 @@ def test_staging_pool_expires_the_oldest_transfer_when_full() -> None:
     assert pool.num_expired == 1 and pool.lookup("a", [0]) == [None]
     with pytest.raises(SideChannelError, match="full"):
         pool.alloc("d", [0, 1, 2, 3])
+    # A transfer released while its stage was still reading (the prefill side gave up) is
+    # an error reply, not a KeyError, and its slots are back.
+    pool.release("c")
+    with pytest.raises(SideChannelError, match="released while staging"):
+        pool.mark_staged("c", [0, 1])
+    assert pool.num_free == pool.num_slots  # ("d" had expired "b" too)
 
 
 def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:

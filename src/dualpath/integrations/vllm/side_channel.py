@@ -102,8 +102,13 @@ class StagingPool:
             return [x.slots[b] for b in blocks]
 
     def mark_staged(self, xfer: str, blocks: Sequence[int]) -> None:
+        """Mark `blocks` of `xfer` as holding their stored bytes; a transfer released or
+        expired meanwhile (its prefill gave up and recomputed) is a `SideChannelError`."""
         with self._lock:
-            self._xfers[xfer].staged.update(blocks)
+            x = self._xfers.get(xfer)
+            if x is None:
+                raise SideChannelError(f"transfer {xfer} was released while staging")
+            x.staged.update(blocks)
 
     def commit(self, xfer: str) -> None:
         with self._lock:
