@@ -17,6 +17,8 @@ Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agen
 stored blocks (5.9 MB each, SmolLM2 fp32) through 0.1 Gb/s per node is 13 s of reads on one
 NIC against about 1 s of prefill compute per agent, and the prefill instance loads in the
 background (`--loads sync` makes each prefill step wait for its own reads as well).
+Background loads sometimes stall (docs/vllm.md, "Background loads"): each phase reports its
+remote errors and longest stage, and the summary `clean`; quote only clean runs.
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens
                 text.append(delta)
     jct = time.perf_counter() - t0
     return (ttft if ttft is not None else jct), jct, "".join(text)
+
+
+def remote_errors(cluster: VllmCluster) -> int:
+    """Side-channel or NIXL failures the prefill instances logged so far (each one a
+    recompute: a phase with any is not a clean measurement of its read path)."""
+    return sum(sum(e["event"] == "remote_error" for e in inst.events())
+               for inst in cluster.prefill)
+
+
+def stage_seconds(cluster: VllmCluster) -> list[float]:
+    """How long each `stage` took in the decode instances' staging services, in order."""
+    return [float(e["s"]) for inst in cluster.decode for e in inst.events()
+            if e.get("event") == "side_channel" and e.get("op") == "stage"]
 
 
 def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
@@ -153,9 +168,13 @@ def main() -> int:
             for rep in range(args.repeats):
                 for mode in modes:
                     agents = [f"{mode}-{rep}-{i}" for i in range(args.agents)]
+                    errors, n_stages = remote_errors(cluster), len(stage_seconds(cluster))
                     r = run_mode(urls[mode], "smollm2", agents, args.filler, args.gen)
+                    r["remote_errors"] = remote_errors(cluster) - errors
+                    r["max_stage_s"] = max(stage_seconds(cluster)[n_stages:], default=0.0)
                     print(f"== {mode} repeat {rep}: TTFT {r['ttft_s']:.2f} s, JCT "
-                          f"{r['jct_s']:.2f} s, hit bytes {r['hit_bytes_by_side']}",
+                          f"{r['jct_s']:.2f} s, hit bytes {r['hit_bytes_by_side']}, remote "
+                          f"errors {r['remote_errors']}, longest stage {r['max_stage_s']:.1f} s",
                           file=sys.stderr, flush=True)
                     runs[mode].append(r)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttft_s", "jct_s", "batch_s")}
@@ -169,6 +188,9 @@ def main() -> int:
                                  for k in ("ttft_s", "jct_s", "batch_s")}
                              for m in modes if m != "basic"},
         "hit_bytes_by_side": {m: [r["hit_bytes_by_side"] for r in rs] for m, rs in runs.items()},
+        "remote_errors": {m: [r["remote_errors"] for r in rs] for m, rs in runs.items()},
+        "max_stage_s": {m: [r["max_stage_s"] for r in rs] for m, rs in runs.items()},
+        "clean": all(r["remote_errors"] == 0 for rs in runs.values() for r in rs),
     }
     print(json.dumps(summary, indent=1))
     return 0

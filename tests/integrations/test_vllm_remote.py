@@ -298,6 +298,9 @@ def test_side_channel_process_serves_pulls_and_the_decode_workers_loads(
     address = f"127.0.0.1:{free_port()}"
     proc, pool = spawn_side_channel(address, str(store.root), FULL, 4, None,
                                     str(tmp_path / "events.jsonl"), "ns")
+    # Both processes map the buffer, so its name is gone already: no segment can outlive
+    # them, however they end (the bytes below still cross it).
+    assert not list(Path("/dev/shm").glob(f"dualpath-staging-{proc.pid}"))
     try:
         p_kv = paged()
         p_worker = KVWorker(store, LAYERS, PAGE)

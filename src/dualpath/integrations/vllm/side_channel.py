@@ -312,17 +312,18 @@ class RemotePool:
 
     def __init__(self, client: SideChannelClient, shm_name: str, num_slots: int,
                  full_block_bytes: int) -> None:
-        from multiprocessing import resource_tracker, shared_memory
+        from multiprocessing import shared_memory
 
         self.client = client
         self.num_slots = num_slots
         self.full_block_bytes = full_block_bytes
         self._shm = shared_memory.SharedMemory(name=shm_name, create=False)
-        # Python < 3.13 registers an attached segment with this process's resource tracker,
-        # which would unlink the service's buffer (and warn of a "leak") when this one exits.
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister(getattr(self._shm, "_name", "/" + shm_name),
-                                        "shared_memory")
+        # Both processes map it now: its name is no longer needed, and unlinking it here means
+        # no segment outlives them, however they end (the memory goes with the last mapping).
+        # This also balances Python's registration of the attached segment with this
+        # process's resource tracker (before 3.13), which would otherwise warn of a leak.
+        with contextlib.suppress(OSError):
+            self._shm.unlink()
         self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
@@ -434,8 +435,16 @@ def _serve_main() -> None:
         pool.buffer = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError, OSError):
             shm.close()
-        with contextlib.suppress(OSError):
+        try:
             shm.unlink()
+        except FileNotFoundError:  # the decode worker unlinked it once it had mapped it
+            from multiprocessing import resource_tracker
+
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(getattr(shm, "_name", "/" + shm.name),
+                                            "shared_memory")
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":
