@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dualpath.integrations.vllm.launch import HOST_MODES, ClusterSpec, VllmCluster
+from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP, ClusterSpec, VllmCluster
 from vllm_pd_demo import router, stats
 
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
@@ -141,10 +141,7 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
-    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback",
-                    help="loopback: every server on 127.0.0.1; netns: each server on an "
-                    "emulated host of its own (a network namespace on a bridge, UCX over TCP; "
-                    "needs root) (default: %(default)s)")
+    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or modes[0] != "basic" or not set(modes) <= {"basic", "dualpath", "split"}:

@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.launch import HOST_MODES, ClusterSpec, Instance, VllmCluster
+from dualpath.integrations.vllm.launch import (
+    HOST_MODES,
+    HOSTS_HELP,
+    ClusterSpec,
+    Instance,
+    VllmCluster,
+)
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest, prefix_keys
 from dualpath.runtime.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
@@ -179,10 +185,7 @@ def main() -> int:
     ap.add_argument("--turn2-tokens", type=int, default=16)
     ap.add_argument("--workdir", type=Path, help="keep the store, logs and event logs here "
                     "(default: a temporary folder, removed)")
-    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback",
-                    help="loopback: every server on 127.0.0.1; netns: each server on an "
-                    "emulated host of its own (a network namespace on a bridge, UCX over TCP; "
-                    "needs root) (default: %(default)s)")
+    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP
 from dualpath.integrations.vllm.route_policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -54,10 +55,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--staging-blocks", type=int, default=32, metavar="N",
                     help="Full Block slots of each decode node's staging buffer "
                     "(default: %(default)s)")
-    up.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
-                    help="loopback: every server on 127.0.0.1; netns: each server on an "
-                    "emulated host of its own, a network namespace on a bridge, reached over "
-                    "veth and TCP (UCX too; needs root) (default: %(default)s)")
+    up.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     up.set_defaults(func=run_up)
 
 

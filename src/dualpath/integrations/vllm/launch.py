@@ -96,6 +96,10 @@ class ClusterSpec:
 
 
 HOST_MODES = ("loopback", "netns")
+HOSTS_HELP = ("loopback: every server on 127.0.0.1; netns: each server on an emulated host of "
+              "its own, a network namespace on a bridge, reached over veth and TCP (UCX too; "
+              "needs root) (default: %(default)s)")
+"""The `--hosts` option's help, the same wherever a command starts a cluster."""
 
 
 @dataclass
