@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from dualpath.integrations.vllm.launch import ClusterSpec, VllmCluster
 
+    # Ctrl-C stops the cluster even when this was started in the background of a script,
+    # whose shell leaves SIGINT ignored (and the router would inherit that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.prefill < 1 or args.decode < 1:
         raise SpecError("vllm up", "prefill/decode", (args.prefill, args.decode),
                         "need at least one of each")

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -92,7 +92,41 @@ class ClusterSpec:
     hosts: str = "loopback"
     """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
     own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
+    bind_cpus: bool = True
+    """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
+    worker binds its threads to every core of the machine by default, so two instances on
+    one machine pin their main threads to the same core, and one of them starves (a decode
+    instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
+    explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
     extra_args: tuple[str, ...] = ()
+
+
+def cpu_sets(num_instances: int, cpus: Sequence[int]) -> list[list[int]] | None:
+    """`cpus` split into `num_instances` disjoint runs of consecutive ids, the earlier
+    instances taking the remainder; None when there are fewer cores than instances."""
+    cpus = sorted(cpus)
+    if num_instances < 1 or len(cpus) < num_instances:
+        return None
+    size, extra = divmod(len(cpus), num_instances)
+    sets, lo = [], 0
+    for i in range(num_instances):
+        hi = lo + size + (1 if i < extra else 0)
+        sets.append(cpus[lo:hi])
+        lo = hi
+    return sets
+
+
+def cpu_binding(spec: ClusterSpec, num_instances: int) -> list[dict[str, str]]:
+    """The environment that binds each instance's vLLM worker (`ClusterSpec.bind_cpus`):
+    `VLLM_CPU_OMP_THREADS_BIND` to a core set of its own; with fewer cores than instances,
+    no binding and one OpenMP thread each (they share the cores, none is pinned)."""
+    if not spec.bind_cpus or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [{} for _ in range(num_instances)]
+    sets = cpu_sets(num_instances, sorted(os.sched_getaffinity(0)))
+    if sets is None:
+        return [{"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+                for _ in range(num_instances)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} for cores in sets]
 
 
 HOST_MODES = ("loopback", "netns")
@@ -116,6 +150,8 @@ class Instance:
     host: str = "127.0.0.1"
     """The address it serves on (its emulated host's, with `hosts="netns"`)."""
     netns: str | None = None
+    cpus: str = ""
+    """Its `VLLM_CPU_OMP_THREADS_BIND` ("" when the environment decides)."""
 
     @property
     def url(self) -> str:
@@ -201,6 +237,7 @@ class VllmCluster:
             template.write_text(CHATML_TEMPLATE, encoding="utf-8")
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         counts = {"prefill": 0, "decode": 0}
+        binding = cpu_binding(spec, len(roles))
         try:
             if spec.hosts == "netns":
                 why = netns.available()
@@ -208,7 +245,7 @@ class VllmCluster:
                     raise LaunchError(f"hosts='netns' is not possible here: {why}")
                 self.hosts = netns.Hosts()
                 env.update(netns.HOST_ENV)
-            for role in roles:
+            for role, bind in zip(roles, binding, strict=True):
                 name = f"{role}{counts[role]}"
                 counts[role] += 1
                 host = self.hosts.add() if self.hosts is not None else None
@@ -222,11 +259,13 @@ class VllmCluster:
                                      template, address)
                 if host is not None:
                     cmd = host.command(cmd)
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env={**env, **bind}, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
                 self.instances.append(Instance(
                     name, role, port, side, proc, log_path, events, log, address,
-                    host.netns if host is not None else None))
+                    host.netns if host is not None else None,
+                    bind.get("VLLM_CPU_OMP_THREADS_BIND", "")))
             for inst in self.instances:
                 self._wait_healthy(inst)
         except BaseException:
@@ -284,4 +323,5 @@ class VllmCluster:
         for inst in self.instances:
             side = f", side channel {inst.side_channel}" if inst.side_channel else ""
             where = f", netns {inst.netns}" if inst.netns else ""
-            yield f"{inst.name:9s} {inst.url}{side}{where}  (log {inst.log_path})"
+            cpus = f", cores {inst.cpus}" if inst.cpus and inst.cpus != "nobind" else ""
+            yield f"{inst.name:9s} {inst.url}{side}{where}{cpus}  (log {inst.log_path})"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import socket
 import socketserver
 import threading
@@ -223,19 +224,26 @@ class DecodeSideChannel:
         raise SideChannelError(f"unknown op {op!r}")
 
     def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> dict[str, Any]:
+        t0 = time.monotonic()
         blocks = list(range(first, first + len(keys)))
         slots = self.pool.alloc(xfer, blocks)
         ok = 0
+        read_s = 0.0
         for slot, key in zip(slots, keys, strict=True):
             with self.pacer.reading(self.store.full_block_bytes) if self.pacer is not None \
                     else contextlib.nullcontext():
+                r0 = time.monotonic()
                 is_read = self.store.get_into(key, self.pool.view(slot).numpy())
+                read_s += time.monotonic() - r0
             if not is_read:
                 self.num_stage_errors += 1
                 break  # the prefill side recomputes from the first failed block on
             ok += 1
         self.pool.mark_staged(xfer, blocks[:ok])
         self.num_staged_blocks += ok
+        if self._log is not None:  # where a slow stage spent its time
+            self._log({"event": "stage", "xfer": xfer, "blocks": len(keys), "ok": ok,
+                       "read_s": round(read_s, 4), "s": round(time.monotonic() - t0, 4)})
         return {"slots": [self.pool.address(s) for s in slots[:ok]], "ok": ok}
 
     def close(self) -> None:
@@ -344,21 +352,40 @@ class RemotePool:
             self._shm.close()
 
 
+def instance_cpus(bind: str | None) -> list[int]:
+    """The cores of the vLLM instance whose `VLLM_CPU_OMP_THREADS_BIND` is `bind` (a core
+    list such as "0-3,8|4-7", one part per rank); every core for "auto", "nobind" or None.
+    The staging service runs on these, not on the one core vLLM pins its worker's main
+    thread to (which a process it starts would otherwise inherit)."""
+    every = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    if bind is None or bind.strip() in ("", "auto", "nobind"):
+        return every
+    cpus: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: {part!r} is not a core "
+                             "id or a range a-b")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    return sorted(cpus)
+
+
 def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num_slots: int,
                        storage_read_gbps: float | None, event_log: str | None,
                        namespace: str, timeout_s: float = 120.0,
                        command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
                        ) -> tuple[Any, RemotePool]:
     """Start the side-channel process on `address`; returns it and the worker's pool view.
-    `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host)."""
-    import os
+    `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
+    on the cores of this instance (`instance_cpus`)."""
     import subprocess
     import sys
 
+    cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     cmd = [*command_prefix, sys.executable, "-m", "dualpath.integrations.vllm.side_channel",
            "--address", address, "--store", store_root, "--full-block-bytes",
            str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
-           "--parent", str(os.getpid())]
+           "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus))]
     if storage_read_gbps:
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
@@ -384,7 +411,6 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
 
 def _serve_main() -> None:
     import argparse
-    import os
     import signal
     import sys
     from multiprocessing import shared_memory
@@ -401,7 +427,11 @@ def _serve_main() -> None:
     ap.add_argument("--storage-read-gbps", type=float)
     ap.add_argument("--event-log")
     ap.add_argument("--parent", type=int, help="exit when this process is gone")
+    ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
     args = ap.parse_args()
+    if args.cpus:  # before any thread starts, so that every thread has them
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # clean up the shared memory
     size = args.slots * args.full_block_bytes
     shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}", create=True, size=size)
