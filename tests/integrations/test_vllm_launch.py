@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from dualpath.integrations.vllm import netns
-from dualpath.integrations.vllm.launch import ClusterSpec, LaunchError, VllmCluster
+from dualpath.integrations.vllm.launch import (
+    ClusterSpec,
+    LaunchError,
+    VllmCluster,
+    cpu_binding,
+    cpu_sets,
+)
 
 STAND_IN = '''
 import argparse, json, os
@@ -32,7 +38,9 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         body = json.dumps({"netns": os.readlink("/proc/self/ns/net"),
                            "config": json.loads(args.kv_transfer_config),
-                           "ucx_tls": os.environ.get("UCX_TLS")}).encode()
+                           "ucx_tls": os.environ.get("UCX_TLS"),
+                           "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                           "omp": os.environ.get("OMP_NUM_THREADS")}).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *a):
         pass
@@ -76,6 +84,14 @@ def test_loopback_cluster_roles_and_side_channels(stand_in: Path) -> None:
                 assert extra["side_channel"] == inst.side_channel
                 assert inst.side_channel is not None
                 assert inst.side_channel.startswith("127.0.0.1:")
+        sets = cpu_sets(3, sorted(os.sched_getaffinity(0)))
+        binds = [whoami(i.url)["bind"] for i in cluster.instances]
+        if sets is None:  # fewer cores than instances: none pinned, one thread each
+            assert binds == ["nobind"] * 3
+            assert {whoami(i.url)["omp"] for i in cluster.instances} == {"1"}
+        else:
+            assert binds == [",".join(map(str, c)) for c in sets]
+        assert [i.cpus for i in cluster.instances] == binds
         procs = [i.process for i in cluster.instances]
     assert all(p.poll() is not None for p in procs)
 
@@ -146,3 +162,21 @@ def test_two_sets_of_hosts_in_one_process_do_not_meet() -> None:
         assert a.tag != b.tag and a.bridge != b.bridge and a.subnet != b.subnet
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert ha.netns in listed and hb.netns in listed
+
+
+def test_cpu_sets_are_disjoint_runs_of_the_cores() -> None:
+    assert cpu_sets(2, [0, 1]) == [[0], [1]]
+    assert cpu_sets(3, [4, 0, 1, 2, 3, 5, 6]) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert cpu_sets(3, [0, 1]) is None
+    assert cpu_sets(1, [0, 1]) == [[0, 1]]
+
+
+def test_cpu_binding_leaves_an_explicit_binding_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    assert cpu_binding(spec(tmp_path, "loopback"), 3) == [{}, {}, {}]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    off = ClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
+                      bind_cpus=False)
+    assert cpu_binding(off, 2) == [{}, {}]
+    assert all("VLLM_CPU_OMP_THREADS_BIND" in b for b in cpu_binding(spec(tmp_path, "x"), 2))

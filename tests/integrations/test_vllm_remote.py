@@ -10,6 +10,7 @@ into a load error (a recompute), never into wrong bytes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from dualpath.integrations.vllm.side_channel import (
     SideChannelClient,
     SideChannelError,
     StagingPool,
+    instance_cpus,
     spawn_side_channel,
 )
 
@@ -359,6 +361,52 @@ def test_an_idle_side_channel_process_sleeps(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def _cpus_allowed(pid: int) -> set[int]:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if x.startswith("Cpus_allowed_list:"))
+    return set(instance_cpus(line.split(":", 1)[1].strip()))
+
+
+def test_the_side_channel_runs_on_its_instance_cores_not_the_pinned_worker_core(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM pins a CPU worker's main thread to one core; the staging service it starts
+    must not inherit that pin (there it starved, with the engine, for tens of seconds)."""
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    os.sched_setaffinity(0, {first})  # as vLLM leaves the decode worker
+    try:
+        address = f"127.0.0.1:{free_port()}"
+        proc, pool = spawn_side_channel(address, str(tmp_path), FULL, 2, None, None, "ns")
+    finally:
+        os.sched_setaffinity(0, mine)
+    try:
+        assert _cpus_allowed(proc.pid) == mine | {first}
+        pool.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(first))  # an instance's own core
+    address = f"127.0.0.1:{free_port()}"
+    proc, pool = spawn_side_channel(address, str(tmp_path), FULL, 2, None, None, "ns")
+    try:
+        assert _cpus_allowed(proc.pid) == {first}
+        pool.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def test_instance_cpus_reads_vllm_core_lists() -> None:
+    assert instance_cpus("0-2,5|7") == [0, 1, 2, 5, 7]
+    assert instance_cpus("3") == [3]
+    every = instance_cpus(None)
+    assert instance_cpus("auto") == every == instance_cpus("nobind")
+    assert set(os.sched_getaffinity(0)) <= set(every)
+    with pytest.raises(ValueError, match="'x1'"):
+        instance_cpus("0,x1")
 
 
 PREFILL_HOST_SCRIPT = """
