@@ -264,6 +264,29 @@ def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> No
     loader.close()
 
 
+def test_a_burst_of_pe_side_loads_does_not_hold_up_de_side_pulls(pair: Pair) -> None:
+    """Each read path has its own threads: the DE pull, submitted after more PE loads than
+    there are threads, finishes while the (slow, NIC-paced) PE loads are still reading."""
+    p = pair
+    p.p_worker.register(p.p_kv)
+    p.p_worker.pacer = ReadPacer(FULL * 8 / 0.5e9)  # one block per 0.5 s on this NIC
+    loader = AsyncLoader(p.p_worker, p.prefill, max_workers=1)
+    plan = StepPlan(
+        async_loads=[BlockTransfer(f"pe{i}", 0, (i,), (KEYS[0],)) for i in range(4)],
+        async_remote_loads=[RemoteLoad("x", p.channel.address,
+                                       BlockTransfer("de", 1, (5,), (KEYS[1],)))])
+    loader.submit(plan)
+    deadline = time.monotonic() + 30
+    done: list[str] = []
+    while len(done) < 5 and time.monotonic() < deadline:
+        done += sorted(loader.take_finished())
+        time.sleep(0.01)
+    assert loader.take_errors() == set()
+    assert "de" in done and done.index("de") < 2, done  # not after the 2 s of PE reads
+    assert same(p.p_kv[LAYERS[0]][5], page_of(p.stored[1], 0))
+    loader.close()
+
+
 def test_read_pacer_holds_reads_to_the_emulated_rate() -> None:
     pacer = ReadPacer(0.08)  # 10 MB/s
     t0 = time.monotonic()

@@ -314,13 +314,19 @@ class AsyncLoader:
     """Background loads of a prefill worker (`StepPlan.async_loads` / `async_remote_loads`):
     the PE-side store reads and the DE-side pulls of a request run in parallel threads, other
     requests' too, while the engine keeps stepping; a request is reported finished (vLLM's
-    `finished_recving`) once all its parts are done, its failed blocks no later than that."""
+    `finished_recving`) once all its parts are done, its failed blocks no later than that.
+
+    Each read path has threads of its own (`max_workers` for this node's store, as many for
+    each decode node): with one shared pool, a burst of PE-side loads (each waiting seconds
+    for its emulated NIC) took every thread, and the DE-side stages queued behind them
+    instead of reading in parallel on the decode node's NIC."""
 
     def __init__(self, kv: KVWorker, prefill: PrefillRemote, max_workers: int = 4) -> None:
         self.kv = kv
         self.prefill = prefill
-        self._pool = ThreadPoolExecutor(max_workers=max_workers,
-                                        thread_name_prefix="dualpath-load")
+        self.max_workers = max_workers
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        """"" (this node's store) or a decode node's side channel -> its threads."""
         self._lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._finished: set[str] = set()
@@ -337,7 +343,16 @@ class AsyncLoader:
                 self._outstanding[req_id] = self._outstanding.get(req_id, 0) + len(parts)
         for req_id, parts in jobs.items():
             for part in parts:
-                self._pool.submit(self._run, req_id, part)
+                self._pool(part.de if isinstance(part, RemoteLoad) else "").submit(
+                    self._run, req_id, part)
+
+    def _pool(self, path: str) -> ThreadPoolExecutor:
+        pool = self._pools.get(path)
+        if pool is None:
+            pool = self._pools[path] = ThreadPoolExecutor(
+                max_workers=self.max_workers,
+                thread_name_prefix="dualpath-load" if not path else "dualpath-pull")
+        return pool
 
     def _run(self, req_id: str, part: BlockTransfer | RemoteLoad) -> None:
         t = part if isinstance(part, BlockTransfer) else part.blocks
@@ -375,7 +390,8 @@ class AsyncLoader:
             return len(self._outstanding)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Slots(Protocol):
