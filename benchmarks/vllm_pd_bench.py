@@ -87,10 +87,11 @@ def remote_errors(cluster: VllmCluster) -> int:
                for inst in cluster.prefill)
 
 
-def stage_seconds(cluster: VllmCluster) -> list[float]:
-    """How long each `stage` took in the decode instances' staging services, in order."""
-    return [float(e["s"]) for inst in cluster.decode for e in inst.events()
-            if e.get("event") == "side_channel" and e.get("op") == "stage"]
+def stage_seconds(cluster: VllmCluster) -> dict[str, list[float]]:
+    """How long each `stage` took in each decode instance's staging service, in order."""
+    return {inst.name: [float(e["s"]) for e in inst.events()
+                        if e.get("event") == "side_channel" and e.get("op") == "stage"]
+            for inst in cluster.decode}
 
 
 def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
@@ -179,10 +180,12 @@ def main() -> int:
             for rep in range(args.repeats):
                 for mode in modes:
                     agents = [f"{mode}-{rep}-{i}" for i in range(args.agents)]
-                    errors, n_stages = remote_errors(cluster), len(stage_seconds(cluster))
+                    errors = remote_errors(cluster)
+                    n_stages = {n: len(v) for n, v in stage_seconds(cluster).items()}
                     r = run_mode(urls[mode], "smollm2", agents, args.filler, args.gen)
                     r["remote_errors"] = remote_errors(cluster) - errors
-                    r["max_stage_s"] = max(stage_seconds(cluster)[n_stages:], default=0.0)
+                    r["max_stage_s"] = max((x for n, v in stage_seconds(cluster).items()
+                                            for x in v[n_stages[n]:]), default=0.0)
                     print(f"== {mode} repeat {rep}: TTFT {r['ttft_s']:.2f} s, JCT "
                           f"{r['jct_s']:.2f} s, hit bytes {r['hit_bytes_by_side']}, remote "
                           f"errors {r['remote_errors']}, longest stage {r['max_stage_s']:.1f} s",
