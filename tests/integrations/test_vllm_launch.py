@@ -153,6 +153,27 @@ def test_hosts_left_by_a_killed_run_are_replaced() -> None:
     assert "dpbr99991z" not in links and "dpv99991zh" not in links
 
 
+def test_hosts_of_a_killed_run_are_removed_by_the_next() -> None:
+    """A SIGKILLed driver cannot clean up; the next `Hosts` removes whatever bears the tag of
+    a pid that is gone, and leaves a live process's alone."""
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone (reuse within this test is unlikely)
+    dead = netns.Hosts(tag=f"{child.pid}q")
+    dead.add()
+    with netns.Hosts() as live:
+        live.add()
+        with netns.Hosts():
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                    text=True).stdout
+            links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"dp{child.pid}qh0" not in listed and f"dpbr{child.pid}q" not in links
+        assert f"dpv{child.pid}qh0" not in links
+        assert live.hosts[0].netns in listed and live.bridge in links
+
+
 def test_two_sets_of_hosts_in_one_process_do_not_meet() -> None:
     why = netns.available()
     if why is not None:

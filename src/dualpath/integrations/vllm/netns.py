@@ -18,6 +18,7 @@ import contextlib
 import ipaddress
 import itertools
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class Host:
 
 
 _made = itertools.count()
+_NAME = re.compile(r"^dp(br|v)?((\d+)[a-z])(h\d+)?$")
+"""The names `Hosts` makes: bridge `dpbr<tag>`, namespace `dp<tag>h<i>`, veth `dpv<tag>h<i>`,
+where the tag is a pid and a letter."""
 
 
 def _free_subnet(seed: int) -> ipaddress.IPv4Network:
@@ -102,24 +106,38 @@ class Hosts:
             self.close()
             raise
 
+    def _is_stale(self, name: str) -> bool:
+        """A name of this tag, or of a tag whose pid is no longer a live process: left by a
+        killed run (SIGKILL skips `close`)."""
+        m = _NAME.match(name)
+        if m is None:
+            return False
+        if m.group(2) == self.tag:
+            return True
+        try:
+            os.kill(int(m.group(3)), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, someone else's
+            return False
+        return False
+
     def _remove_stale(self) -> None:
-        """Names of this tag left by a killed run (the tag is a pid: its owner is gone)."""
+        """What killed runs left behind: namespaces, then veths and bridges."""
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                 check=False).stdout
         for line in listed.splitlines():
             name = line.split(" ", 1)[0]
-            if name.startswith(f"dp{self.tag}h"):
+            if name.startswith("dp") and self._is_stale(name):
                 with contextlib.suppress(NetnsError):
                     _ip("netns", "del", name)
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True,
                                check=False).stdout
         for line in links.splitlines():
             name = line.split(": ", 2)[1].split("@", 1)[0] if ": " in line else ""
-            if name.startswith(f"dpv{self.tag}h"):
+            if name.startswith("dp") and self._is_stale(name):
                 with contextlib.suppress(NetnsError):
                     _ip("link", "del", name)
-        with contextlib.suppress(NetnsError):
-            _ip("link", "del", self.bridge)
 
     @property
     def gateway(self) -> str:
