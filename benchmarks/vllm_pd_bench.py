@@ -39,7 +39,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP, ClusterSpec, VllmCluster
+from dualpath.integrations.vllm.launch import (
+    HOST_MODES,
+    HOSTS_HELP,
+    LOAD_MODES,
+    LOADS_HELP,
+    ClusterSpec,
+    VllmCluster,
+)
 from vllm_pd_demo import router, stats
 
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
@@ -126,7 +133,7 @@ def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--agents", type=int, default=4,
                     help="concurrent agents; each one's turn 2 reuses its turn 1 from storage "
                     "(default: %(default)s)")
@@ -141,10 +148,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=8, help="tokens per turn-2 reply")
     ap.add_argument("--storage-read-gbps", type=float, default=0.1,
                     help="each node's emulated storage NIC for reads (default: %(default)s)")
-    ap.add_argument("--loads", choices=("async", "sync"), default="async",
-                    help="async: the prefill instance loads in the background (connector "
-                    "async_loads), a step does not wait for other requests' reads; sync: "
-                    "each step waits for its own (default: %(default)s)")
+    ap.add_argument("--loads", choices=LOAD_MODES, default="async", help=LOADS_HELP)
     ap.add_argument("--modes", default="basic,dualpath",
                     help="routers to compare, comma-separated, basic first (basic, dualpath, "
                     "split; default: %(default)s)")

@@ -179,7 +179,7 @@ def router_phase(cluster: VllmCluster, store: Path, model: str) -> dict[str, Any
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--model", help="an HF-style Llama folder (default: converted SmolLM2)")
     ap.add_argument("--turn1-tokens", type=int, default=64)
     ap.add_argument("--turn2-tokens", type=int, default=16)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP
+from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
 from dualpath.integrations.vllm.route_policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "and waits; Ctrl-C (or SIGTERM) stops everything. Send OpenAI requests to the "
             "router URL it prints; a conversation's second turn loads its stored KV through "
             "the prefill node (PE read path) or the decode node (DE read path), as the "
-            "router's /stats and each server's event log show.", width=78),
+            "router's /stats and each server's event log show. Each server gets cores of its "
+            "own where there are enough (an explicit VLLM_CPU_OMP_THREADS_BIND is kept).",
+            width=78),
         epilog="example: dualpath vllm up --decode 2 --mode dualpath --port 8000",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     vsub = p.add_subparsers(dest="vllm_command", metavar="<action>", required=True)
@@ -56,6 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     help="Full Block slots of each decode node's staging buffer "
                     "(default: %(default)s)")
     up.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
+    up.add_argument("--loads", choices=LOAD_MODES, default="sync", help=LOADS_HELP)
     up.set_defaults(func=run_up)
 
 
@@ -82,7 +85,8 @@ def run_up(args: argparse.Namespace) -> int:
                            num_prefill=args.prefill, num_decode=args.decode,
                            log_dir=Path(tmp) if args.store is None else store.parent,
                            staging_blocks=args.staging_blocks,
-                           storage_read_gbps=args.storage_read_gbps, hosts=args.hosts)
+                           storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
+                           async_loads=args.loads == "async")
         print(f"dualpath vllm up: starting {args.prefill} prefill + {args.decode} decode vLLM "
               f"servers (a minute or two on CPU) ...", file=sys.stderr, flush=True)
         with VllmCluster(spec) as cluster:

@@ -134,6 +134,12 @@ HOSTS_HELP = ("loopback: every server on 127.0.0.1; netns: each server on an emu
               "its own, a network namespace on a bridge, reached over veth and TCP (UCX too; "
               "needs root) (default: %(default)s)")
 """The `--hosts` option's help, the same wherever a command starts a cluster."""
+LOAD_MODES = ("sync", "async")
+LOADS_HELP = ("sync: each prefill step waits for its own requests' reads (the DE side pulled "
+              "layer by layer); async: the prefill instances load in the background (connector "
+              "async_loads), a step does not wait for other requests' reads (default: "
+              "%(default)s)")
+"""The `--loads` option's help."""
 
 
 @dataclass
