@@ -71,7 +71,9 @@ def whoami(url: str) -> dict[str, Any]:
     return out
 
 
-def test_loopback_cluster_roles_and_side_channels(stand_in: Path) -> None:
+def test_loopback_cluster_roles_and_side_channels(stand_in: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     with VllmCluster(spec(stand_in, "loopback")) as cluster:
         assert [i.name for i in cluster.instances] == ["prefill0", "decode0", "decode1"]
         for inst in cluster.instances:
@@ -190,6 +192,8 @@ def test_cpu_sets_are_disjoint_runs_of_the_cores() -> None:
     assert cpu_sets(3, [4, 0, 1, 2, 3, 5, 6]) == [[0, 1, 2], [3, 4], [5, 6]]
     assert cpu_sets(3, [0, 1]) is None
     assert cpu_sets(1, [0, 1]) == [[0, 1]]
+    # Hyperthread siblings (cpu i and i + 4 on core i) stay in one set.
+    assert cpu_sets(2, range(8), topology=lambda c: (0, c % 4)) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_cpu_binding_leaves_an_explicit_binding_alone(
@@ -200,4 +204,7 @@ def test_cpu_binding_leaves_an_explicit_binding_alone(
     off = ClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
                       bind_cpus=False)
     assert cpu_binding(off, 2) == [{}, {}]
+    tp = ClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
+                     extra_args=("--tensor-parallel-size", "2"))
+    assert cpu_binding(tp, 2) == [{}, {}]  # one core list per rank: the environment's call
     assert all("VLLM_CPU_OMP_THREADS_BIND" in b for b in cpu_binding(spec(tmp_path, "x"), 2))

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -94,24 +94,38 @@ class ClusterSpec:
     own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
     bind_cpus: bool = True
     """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
-    worker binds its threads to every core of the machine by default, so two instances on
+    worker binds its threads to all the cores of a NUMA node by default, so two instances on
     one machine pin their main threads to the same core, and one of them starves (a decode
     instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
     explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
     extra_args: tuple[str, ...] = ()
 
 
-def cpu_sets(num_instances: int, cpus: Sequence[int]) -> list[list[int]] | None:
-    """`cpus` split into `num_instances` disjoint runs of consecutive ids, the earlier
-    instances taking the remainder; None when there are fewer cores than instances."""
-    cpus = sorted(cpus)
+def _topology(cpu: int) -> tuple[int, int]:
+    """(socket, physical core) of a logical CPU, from sysfs ((0, cpu) where it is missing)."""
+    base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return (int((base / "physical_package_id").read_text()),
+                int((base / "core_id").read_text()))
+    except (OSError, ValueError):
+        return (0, cpu)
+
+
+def cpu_sets(num_instances: int, cpus: Sequence[int],
+             topology: Callable[[int], tuple[int, int]] = _topology
+             ) -> list[list[int]] | None:
+    """`cpus` split into `num_instances` disjoint runs, in (socket, physical core, id) order
+    so that hyperthread siblings stay together and an instance stays on one socket where it
+    can; the earlier instances take the remainder. None when there are fewer cores than
+    instances."""
+    cpus = sorted(cpus, key=lambda c: (*topology(c), c))
     if num_instances < 1 or len(cpus) < num_instances:
         return None
     size, extra = divmod(len(cpus), num_instances)
     sets, lo = [], 0
     for i in range(num_instances):
         hi = lo + size + (1 if i < extra else 0)
-        sets.append(cpus[lo:hi])
+        sets.append(sorted(cpus[lo:hi]))
         lo = hi
     return sets
 
@@ -119,8 +133,12 @@ def cpu_sets(num_instances: int, cpus: Sequence[int]) -> list[list[int]] | None:
 def cpu_binding(spec: ClusterSpec, num_instances: int) -> list[dict[str, str]]:
     """The environment that binds each instance's vLLM worker (`ClusterSpec.bind_cpus`):
     `VLLM_CPU_OMP_THREADS_BIND` to a core set of its own; with fewer cores than instances,
-    no binding and one OpenMP thread each (they share the cores, none is pinned)."""
-    if not spec.bind_cpus or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    no binding and one OpenMP thread each (they share the cores, none is pinned). An instance
+    of several ranks (tensor or pipeline parallel in `extra_args`) needs one list per rank:
+    then the binding is left to the environment."""
+    parallel = any(a.startswith(("--tensor-parallel-size", "--pipeline-parallel-size", "-tp",
+                                 "-pp")) for a in spec.extra_args)
+    if not spec.bind_cpus or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [{} for _ in range(num_instances)]
     sets = cpu_sets(num_instances, sorted(os.sched_getaffinity(0)))
     if sets is None:

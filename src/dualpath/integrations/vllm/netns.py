@@ -108,12 +108,14 @@ class Hosts:
 
     def _is_stale(self, name: str) -> bool:
         """A name of this tag, or of a tag whose pid is no longer a live process: left by a
-        killed run (SIGKILL skips `close`)."""
+        killed run (SIGKILL skips `close`). (Runs in other pid namespaces that share this
+        network namespace would look dead: emulated hosts assume one pid namespace.)"""
+        if name in (self.bridge, f"dp{self.tag}") or name.startswith(
+                (f"dp{self.tag}h", f"dpv{self.tag}h")):
+            return True
         m = _NAME.match(name)
         if m is None:
             return False
-        if m.group(2) == self.tag:
-            return True
         try:
             os.kill(int(m.group(3)), 0)
         except ProcessLookupError:

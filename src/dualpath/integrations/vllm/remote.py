@@ -347,12 +347,13 @@ class AsyncLoader:
                     self._run, req_id, part)
 
     def _pool(self, path: str) -> ThreadPoolExecutor:
-        pool = self._pools.get(path)
-        if pool is None:
-            pool = self._pools[path] = ThreadPoolExecutor(
-                max_workers=self.max_workers,
-                thread_name_prefix="dualpath-load" if not path else "dualpath-pull")
-        return pool
+        with self._lock:
+            pool = self._pools.get(path)
+            if pool is None:
+                pool = self._pools[path] = ThreadPoolExecutor(
+                    max_workers=self.max_workers,
+                    thread_name_prefix="dualpath-load" if not path else "dualpath-pull")
+            return pool
 
     def _run(self, req_id: str, part: BlockTransfer | RemoteLoad) -> None:
         t = part if isinstance(part, BlockTransfer) else part.blocks
@@ -390,7 +391,9 @@ class AsyncLoader:
             return len(self._outstanding)
 
     def close(self) -> None:
-        for pool in self._pools.values():
+        with self._lock:
+            pools = list(self._pools.values())
+        for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
 
 

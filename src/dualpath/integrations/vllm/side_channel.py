@@ -354,10 +354,14 @@ class RemotePool:
 
 def instance_cpus(bind: str | None) -> list[int]:
     """The cores of the vLLM instance whose `VLLM_CPU_OMP_THREADS_BIND` is `bind` (a core
-    list such as "0-3,8|4-7", one part per rank); every core for "auto", "nobind" or None.
-    The staging service runs on these, not on the one core vLLM pins its worker's main
-    thread to (which a process it starts would otherwise inherit)."""
-    every = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    list such as "0-3,8|4-7", one part per rank); for "auto", "nobind" or None, the cores the
+    worker's parent (vLLM's engine process, which vLLM does not pin) may use. The staging
+    service runs on these: a process the worker starts would otherwise inherit the one core
+    vLLM pins the worker's main thread to."""
+    try:
+        every = sorted(os.sched_getaffinity(os.getppid()) | os.sched_getaffinity(0))
+    except OSError:
+        every = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
     if bind is None or bind.strip() in ("", "auto", "nobind"):
         return every
     cpus: set[int] = set()
@@ -430,8 +434,11 @@ def _serve_main() -> None:
     ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
     args = ap.parse_args()
     if args.cpus:  # before any thread starts, so that every thread has them
-        with contextlib.suppress(OSError, ValueError):
+        try:
             os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
+        except (OSError, ValueError) as e:  # it still works, on the inherited cores
+            print(f"dualpath side channel: cannot run on cores {args.cpus} ({e}); staying on "
+                  f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # clean up the shared memory
     size = args.slots * args.full_block_bytes
     shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}", create=True, size=size)
