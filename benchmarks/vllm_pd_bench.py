@@ -47,6 +47,7 @@ from dualpath.integrations.vllm.launch import (
     ClusterSpec,
     VllmCluster,
 )
+from dualpath.integrations.vllm.route_policy import ROUTE_MODES
 from vllm_pd_demo import router, stats
 
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
@@ -159,8 +160,8 @@ def main() -> int:
     ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or modes[0] != "basic" or not set(modes) <= {"basic", "dualpath", "split"}:
-        ap.error(f"--modes must start with basic and name only basic, dualpath, split: "
+    if not modes or modes[0] != "basic" or not set(modes) <= set(ROUTE_MODES):
+        ap.error(f"--modes must start with basic and name only {', '.join(ROUTE_MODES)}: "
                  f"{args.modes!r}")
     if args.prefill < 1 or args.decode < 1 or args.agents < 1 or args.repeats < 1:
         ap.error("--prefill, --decode, --agents and --repeats must be at least 1")

@@ -140,7 +140,7 @@ def cpu_binding(spec: ClusterSpec, num_instances: int) -> list[dict[str, str]]:
                                  "-pp")) for a in spec.extra_args)
     if not spec.bind_cpus or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [{} for _ in range(num_instances)]
-    sets = cpu_sets(num_instances, sorted(os.sched_getaffinity(0)))
+    sets = cpu_sets(num_instances, list(os.sched_getaffinity(0)))
     if sets is None:
         return [{"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
                 for _ in range(num_instances)]

@@ -110,8 +110,7 @@ class Hosts:
         """A name of this tag, or of a tag whose pid is no longer a live process: left by a
         killed run (SIGKILL skips `close`). (Runs in other pid namespaces that share this
         network namespace would look dead: emulated hosts assume one pid namespace.)"""
-        if name in (self.bridge, f"dp{self.tag}") or name.startswith(
-                (f"dp{self.tag}h", f"dpv{self.tag}h")):
+        if name == self.bridge or name.startswith((f"dp{self.tag}h", f"dpv{self.tag}h")):
             return True
         m = _NAME.match(name)
         if m is None:
@@ -130,14 +129,14 @@ class Hosts:
                                 check=False).stdout
         for line in listed.splitlines():
             name = line.split(" ", 1)[0]
-            if name.startswith("dp") and self._is_stale(name):
+            if self._is_stale(name):
                 with contextlib.suppress(NetnsError):
                     _ip("netns", "del", name)
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True,
                                check=False).stdout
         for line in links.splitlines():
             name = line.split(": ", 2)[1].split("@", 1)[0] if ": " in line else ""
-            if name.startswith("dp") and self._is_stale(name):
+            if self._is_stale(name):
                 with contextlib.suppress(NetnsError):
                     _ip("link", "del", name)
 

@@ -13,7 +13,8 @@ will load into its paged KV when the request arrives for decoding:
 Messages (request -> reply), each one line of JSON:
 
     {"op": "hello", "agent": b64 or ""}          -> {"agent": b64, "full_block_bytes", ...}
-    {"op": "stage", "xfer", "first_block", "keys": [hex]}  -> {"slots": [addr], "ok": n}
+    {"op": "stage", "xfer", "first_block", "keys": [hex]}
+                                   -> {"slots": [addr], "ok": n, "read_s": store read time}
     {"op": "alloc", "xfer", "blocks": [index]}   -> {"slots": [addr]}
     {"op": "commit", "xfer"}                     -> {"ok": true}
     any failure                                  -> {"error": "why"}
@@ -185,7 +186,7 @@ class DecodeSideChannel:
                     if channel._log is not None:
                         channel._log({"event": "side_channel", "op": msg.get("op"),
                                       "xfer": msg.get("xfer"), "error": reply.get("error"),
-                                      "ok": reply.get("ok"),
+                                      "ok": reply.get("ok"), "read_s": reply.get("read_s"),
                                       "s": round(time.monotonic() - t0, 4)})
 
         class Server(socketserver.ThreadingTCPServer):
@@ -224,7 +225,6 @@ class DecodeSideChannel:
         raise SideChannelError(f"unknown op {op!r}")
 
     def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> dict[str, Any]:
-        t0 = time.monotonic()
         blocks = list(range(first, first + len(keys)))
         slots = self.pool.alloc(xfer, blocks)
         ok = 0
@@ -241,10 +241,8 @@ class DecodeSideChannel:
             ok += 1
         self.pool.mark_staged(xfer, blocks[:ok])
         self.num_staged_blocks += ok
-        if self._log is not None:  # where a slow stage spent its time
-            self._log({"event": "stage", "xfer": xfer, "blocks": len(keys), "ok": ok,
-                       "read_s": round(read_s, 4), "s": round(time.monotonic() - t0, 4)})
-        return {"slots": [self.pool.address(s) for s in slots[:ok]], "ok": ok}
+        return {"slots": [self.pool.address(s) for s in slots[:ok]], "ok": ok,
+                "read_s": round(read_s, 4)}
 
     def close(self) -> None:
         self._server.shutdown()
