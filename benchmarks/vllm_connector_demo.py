@@ -78,7 +78,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path) -> None:
     if phase == "connector":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="DualPathConnector", kv_role="kv_both",
-            kv_connector_module_path="dualpath.integrations.vllm.connector",
+            kv_connector_module_path="dualpath.integrations.vllm.connector.dualpath_connector",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"store_path": str(store), "durable": False,
                                        "event_log": str(events)})

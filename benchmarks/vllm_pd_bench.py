@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dualpath.integrations.vllm.launch import (
+from dualpath.integrations.vllm.cluster.launch import (
     HOST_MODES,
     HOSTS_HELP,
     LOAD_MODES,
@@ -47,7 +47,7 @@ from dualpath.integrations.vllm.launch import (
     ClusterSpec,
     VllmCluster,
 )
-from dualpath.integrations.vllm.route_policy import ROUTE_MODES
+from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 from vllm_pd_demo import router, stats
 
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "

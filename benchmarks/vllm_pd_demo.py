@@ -1,7 +1,8 @@
 """DualPath's P/D flow in real vLLM (CPU) with SmolLM2-135M: both read paths between a prefill
 and a decode vLLM server, over NIXL (UCX on loopback), on one shared store.
 
-A 1P1D cluster (`integrations.vllm.launch`) is started; every request is sent the router's way
+A 1P1D cluster (`integrations.vllm.cluster.launch`) is started; every request is sent the
+router's way
 (`RouteParams` in `kv_transfer_params`: the prefill server computes the prompt with one output
 token and pushes the KV the decode server lacks; the decode server loads it and decodes), with
 the read path forced per request:
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.launch import (
+from dualpath.integrations.vllm.cluster.launch import (
     HOST_MODES,
     HOSTS_HELP,
     ClusterSpec,
@@ -110,7 +111,7 @@ def pd_turn(cluster: VllmCluster, model: str, prompt: list[int], max_tokens: int
 @contextmanager
 def router(cluster: VllmCluster, store: Path, *flags: str) -> Iterator[str]:
     """A `dualpath route` process over the cluster; yields its base URL."""
-    from dualpath.integrations.vllm.launch import free_port
+    from dualpath.integrations.vllm.cluster.launch import free_port
 
     port = free_port()
     cmd = [ROUTER_PYTHON, "-m", "dualpath.cli.main", "route", "--store", str(store),

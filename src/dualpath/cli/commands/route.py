@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dualpath.cli.commands.serve import API_KEY_ENV
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.route_policy import (
+from dualpath.integrations.vllm.router.policy import (
     DEFAULT_BETA_TOKENS,
     DEFAULT_STORAGE_GBPS,
     ROUTE_MODES,
@@ -92,14 +92,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def route(args: argparse.Namespace) -> int:
     from dualpath.integrations.vllm.manifest import find_manifest
-    from dualpath.integrations.vllm.route_policy import route_params
-    from dualpath.integrations.vllm.router import (
+    from dualpath.integrations.vllm.router.app import (
         Router,
         RouterConfig,
         bind,
         make_app,
         make_server,
     )
+    from dualpath.integrations.vllm.router.policy import route_params
 
     if len(args.side) != len(args.decode):
         raise SpecError("route", "side", len(args.side), f"give one --side per --decode "

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.launch import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
-from dualpath.integrations.vllm.route_policy import ROUTE_MODES
+from dualpath.integrations.vllm.cluster.launch import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
+from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 
@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from dualpath.integrations.vllm.launch import ClusterSpec, VllmCluster
+    from dualpath.integrations.vllm.cluster.launch import ClusterSpec, VllmCluster
 
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).

@@ -1,17 +1,19 @@
-"""DualPath inside vLLM (issue #20): a v1 KV connector over the checksummed `BlockStore`.
+"""DualPath inside vLLM: a KV connector, a router and a launcher for P/D vLLM servers.
 
-Module map (only `connector` imports vllm; the others import cleanly without it):
+Rooms (each a subpackage; only `connector.dualpath_connector` imports vllm):
 
-- `plan`      the scheduler side's bookkeeping, pure: prefix-chained keys over a request's
-              tokens, the stored-prefix hit, which blocks each step loads and which newly full
-              blocks it persists (`StepPlan`).
-- `kvio`      the worker side's bytes: one Full Block = every layer's page of one vLLM block,
-              gathered from / scattered into the paged KV tensors, read and written through
-              `BlockStore` (checksummed, atomic).
-- `connector` `DualPathConnector(KVConnectorBase_V1)`, registered with
-              `kv_connector_module_path="dualpath.integrations.vllm.connector"`.
+- `connector/`  the KV connector that runs inside each vLLM instance: `plan` (scheduler side,
+                pure), `kvio` (worker side: paged KV <-> Full Blocks <-> `BlockStore`),
+                `remote` (the P/D data plane: DE-side pulls, pushes, staged loads),
+                `side_channel` (the decode node's staging service), `dualpath_connector`
+                (`DualPathConnector`, registered with
+                `kv_connector_module_path="dualpath.integrations.vllm.connector.dualpath_connector"`).
+- `router/`     `dualpath route`: `policy` (pure decisions around `sched.Scheduler`) and `app`
+                (the OpenAI-compatible HTTP front end over prefill and decode instances).
+- `cluster/`    `dualpath vllm up`: `launch` (P/D vLLM servers with the connector on one store)
+                and `netns` (emulated hosts in network namespaces).
+- `manifest`    the router-connector contract: the store manifest the connectors publish and
+                `RouteParams`, the router's `kv_transfer_params`.
 
-Step 1 is the PE read path on one instance: storage -> this engine's paged KV, layer by
-layer. The DE read path (storage -> decode-node DRAM -> RDMA -> prefill engine) and P/D
-instances are next; `docs/vllm.md` has the status.
+`docs/vllm.md` has the data flow, the failure handling and the status.
 """

@@ -1,4 +1,4 @@
-"""The vLLM connector's worker side (`integrations.vllm.kvio`): paged KV <-> a real BlockStore."""
+"""The vLLM connector's worker side (`connector.kvio`): paged KV <-> a real BlockStore."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import HEADER_BYTES, BlockStore
-from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
-from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
+from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
           "model.layers.2.self_attn.attn"]

@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (make vllm-setup)")
 
-DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_pd_demo.py"
+DEMO = Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_pd_demo.py"
 
 
 def test_pd_read_paths_give_identical_tokens() -> None:
-    from dualpath.integrations.vllm import netns
+    from dualpath.integrations.vllm.cluster import netns
 
     hosts = "netns" if netns.available() is None else "loopback"
     proc = subprocess.run([sys.executable, str(DEMO), "--hosts", hosts], capture_output=True,

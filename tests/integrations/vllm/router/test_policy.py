@@ -1,11 +1,11 @@
-"""The router's decisions (`integrations.vllm.route_policy.RoutePolicy`), without HTTP."""
+"""The router's decisions (`integrations.vllm.router.policy.RoutePolicy`), without HTTP."""
 
 from __future__ import annotations
 
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.route_policy import (
+from dualpath.integrations.vllm.router.policy import (
     InstanceMetrics,
     RoutePolicy,
     route_params,

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from dualpath.integrations.vllm import netns
-from dualpath.integrations.vllm.launch import (
+from dualpath.integrations.vllm.cluster import netns
+from dualpath.integrations.vllm.cluster.launch import (
     ClusterSpec,
     LaunchError,
     VllmCluster,

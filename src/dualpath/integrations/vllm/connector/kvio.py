@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.pacing import ReadPacer
-from dualpath.integrations.vllm.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.connector.pacing import ReadPacer
+from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 
 
 class LayoutError(ValueError):

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (make vllm-setup)")
 
-DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_connector_demo.py"
+DEMO = Path(__file__).resolve().parents[4] / "benchmarks" / "vllm_connector_demo.py"
 
 
 def test_connector_demo_passes_every_check() -> None:

@@ -3,7 +3,7 @@
 Register it with
 
     KVTransferConfig(kv_connector="DualPathConnector", kv_role="kv_both",
-                     kv_connector_module_path="dualpath.integrations.vllm.connector",
+                     kv_connector_module_path="dualpath.integrations.vllm.connector.dualpath_connector",
                      kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"store_path": "/path/to/store"})
 
@@ -12,12 +12,15 @@ each block, default true), `event_log` (a JSON-lines file of loads and saves, de
 `background_saves` (write new blocks from a writer thread, not in the step; default true on a
 decode instance, false otherwise).
 
-Step 1 of issue #20 (the PE read path on one instance): every full block of every request is
-persisted when the step that computes its last token ends; a later request whose prefix is
+On every instance, every full block of every request is persisted when the step that
+computes its last token ends; a later request whose prefix is
 stored loads it from the store into the paged KV (read before the forward, injected layer by
 layer just before each layer's attention). A block that is missing or fails its checksum is
 reported through `get_block_ids_with_load_errors`; with `kv_load_failure_policy="recompute"`
-vLLM recomputes it (vLLM's default, "fail", fails the request instead).
+vLLM recomputes it (vLLM's default, "fail", fails the request instead). Between P/D
+instances the router's `RouteParams` choose the read path per request: the prefill instance
+reads PE-side blocks itself and pulls DE-side blocks from the decode node's staging buffer
+layer by layer (`remote`); the decode instance loads the prompt's KV from staging.
 
 This module imports vllm; `plan` and `kvio` hold the logic and import without it.
 """
@@ -39,12 +42,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.kvio import KVWorker
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.pacing import ReadPacer
+from dualpath.integrations.vllm.connector.plan import (
+    Planner,
+    StepPlan,
+    model_identity,
+    namespace_key,
+)
+from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.connector.side_channel import RemotePool, spawn_side_channel
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
-from dualpath.integrations.vllm.pacing import ReadPacer
-from dualpath.integrations.vllm.plan import Planner, StepPlan, model_identity, namespace_key
-from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.side_channel import RemotePool, spawn_side_channel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

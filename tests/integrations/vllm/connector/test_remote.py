@@ -23,19 +23,19 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.kvio import KVWorker
-from dualpath.integrations.vllm.launch import free_port
-from dualpath.integrations.vllm.nixl_link import NixlLink
-from dualpath.integrations.vllm.pacing import ReadPacer
-from dualpath.integrations.vllm.plan import (
+from dualpath.integrations.vllm.cluster.launch import free_port
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.nixl_link import NixlLink
+from dualpath.integrations.vllm.connector.pacing import ReadPacer
+from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
     Push,
     RemoteLoad,
     StepPlan,
     XferLoad,
 )
-from dualpath.integrations.vllm.remote import AsyncLoader, DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.side_channel import (
+from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.connector.side_channel import (
     DecodeSideChannel,
     SideChannelClient,
     SideChannelError,
@@ -437,9 +437,9 @@ import json, sys
 import torch
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.kvio import KVWorker
-from dualpath.integrations.vllm.plan import BlockTransfer, Push, RemoteLoad, StepPlan
-from dualpath.integrations.vllm.remote import PrefillRemote
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
 
 store_root, address, layers, page, full, heads, bs, ch = json.loads(sys.argv[1])
 keys = block_keys(list(range(2 * bs)), bs)
@@ -477,7 +477,7 @@ def test_de_path_between_two_emulated_hosts(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from dualpath.integrations.vllm import netns
+    from dualpath.integrations.vllm.cluster import netns
 
     why = netns.available()
     if why is not None:

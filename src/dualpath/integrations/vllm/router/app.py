@@ -66,7 +66,7 @@ from dualpath.integrations.vllm.manifest import (
     prefix_keys,
     stored_prefix_blocks,
 )
-from dualpath.integrations.vllm.route_policy import InstanceMetrics, Route, RoutePolicy
+from dualpath.integrations.vllm.router.policy import InstanceMetrics, Route, RoutePolicy
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
 

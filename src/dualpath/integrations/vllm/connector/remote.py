@@ -34,10 +34,10 @@ from typing import Protocol
 
 import torch
 
-from dualpath.integrations.vllm.kvio import KVWorker, LayoutError
-from dualpath.integrations.vllm.nixl_link import Desc, LinkError, NixlLink, Pending
-from dualpath.integrations.vllm.plan import BlockTransfer, Push, RemoteLoad, StepPlan
-from dualpath.integrations.vllm.side_channel import (
+from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
+from dualpath.integrations.vllm.connector.nixl_link import Desc, LinkError, NixlLink, Pending
+from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.connector.side_channel import (
     SideChannelClient,
     SideChannelError,
     StagingPool,

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.pacing import ReadPacer
+from dualpath.integrations.vllm.connector.pacing import ReadPacer
 
 
 class SideChannelError(RuntimeError):
@@ -384,7 +384,8 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
     import sys
 
     cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
-    cmd = [*command_prefix, sys.executable, "-m", "dualpath.integrations.vllm.side_channel",
+    cmd = [*command_prefix, sys.executable, "-m",
+           "dualpath.integrations.vllm.connector.side_channel",
            "--address", address, "--store", store_root, "--full-block-bytes",
            str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
            "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus))]
@@ -417,7 +418,7 @@ def _serve_main() -> None:
     import sys
     from multiprocessing import shared_memory
 
-    from dualpath.integrations.vllm.nixl_link import NixlLink
+    from dualpath.integrations.vllm.connector.nixl_link import NixlLink
 
     ap = argparse.ArgumentParser(description="DualPath's decode-side staging buffer service "
                                  "(started by DualPathConnector on a decode instance)")

@@ -1,4 +1,4 @@
-"""The vLLM connector's scheduler side (`integrations.vllm.plan`) against a real BlockStore."""
+"""The vLLM connector's scheduler side (`connector.plan`) against a real BlockStore."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.plan import Planner, namespace_key
+from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)
@@ -146,7 +146,7 @@ def test_resumed_request_replaces_its_blocks(tmp_path: Path) -> None:
 def test_model_identity_names_the_weights_not_the_path(tmp_path: Path) -> None:
     """The same weights at two paths (two hosts' mounts) share a namespace; other weights,
     or another config, do not; a hub id is itself."""
-    from dualpath.integrations.vllm.plan import SAMPLE_BYTES, model_identity
+    from dualpath.integrations.vllm.connector.plan import SAMPLE_BYTES, model_identity
 
     def folder(name: str, weights: bytes, config: str = '{"hidden_size": 8}') -> str:
         d = tmp_path / name

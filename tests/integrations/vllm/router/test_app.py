@@ -19,8 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest, prefix_keys
-from dualpath.integrations.vllm.route_policy import route_params
-from dualpath.integrations.vllm.router import (
+from dualpath.integrations.vllm.router.app import (
     Router,
     RouterConfig,
     bind,
@@ -28,6 +27,7 @@ from dualpath.integrations.vllm.router import (
     make_server,
     parse_vllm_metrics,
 )
+from dualpath.integrations.vllm.router.policy import route_params
 
 BS = 4
 BLOCK_BYTES = 64

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dualpath.integrations.vllm import netns
+from dualpath.integrations.vllm.cluster import netns
 
-CONNECTOR_MODULE = "dualpath.integrations.vllm.connector"
+CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
 CHATML_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"

@@ -1,0 +1,4 @@
+"""The DualPath KV connector's code that runs inside a vLLM instance (scheduler and worker side).
+
+Importing this package does not import vllm; only `dualpath_connector` does.
+"""
