@@ -77,4 +77,4 @@ def _prefill_items(ready: Sequence[Req]) -> Iterator[batching.PrefillItem]:
     """Lazily, as the packer stops early (a generator function: mypyc compiles a generator
     expression into a list)."""
     for r in ready:
-        yield batching.PrefillItem(r.rid, r.cached_tokens, r.remaining_tokens)
+        yield batching.PrefillItem(r.request_id, r.cached_tokens, r.remaining_tokens)

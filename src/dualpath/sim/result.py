@@ -253,20 +253,23 @@ def build_result(sim: FinishedRun) -> SimResult:
     for link in sim.links:
         link.close_segment(now)
     ints = {
-        "request_id": [r.rid for r in reqs], "agent": [r.agent for r in reqs],
-        "row": [r.row for r in reqs], "prompt_tokens": [r.prompt for r in reqs],
-        "hit_tokens": [r.hit for r in reqs], "gen_tokens": [r.gen for r in reqs],
-        "pe_engine": [r.pe for r in reqs], "de_engine": [r.de for r in reqs],
+        "request_id": [r.request_id for r in reqs], "agent": [r.agent for r in reqs],
+        "row": [r.row for r in reqs], "prompt_tokens": [r.prompt_tokens for r in reqs],
+        "hit_tokens": [r.hit_tokens for r in reqs], "gen_tokens": [r.gen_tokens for r in reqs],
+        "pe_engine": [r.pe_engine for r in reqs], "de_engine": [r.de_engine for r in reqs],
         "pe_read_tokens": [r.pe_read_tokens for r in reqs],
         "de_read_tokens": [r.de_read_tokens for r in reqs],
     }
     floats = {
-        "arrive_s": [r.t_arrive for r in reqs], "de_assigned_s": [r.t_de for r in reqs],
-        "pe_assigned_s": [r.t_pe for r in reqs], "read_done_s": [r.t_read_done for r in reqs],
-        "prefill_start_s": [r.t_prefill_start for r in reqs],
-        "prefill_done_s": [r.t_prefill_done for r in reqs],
-        "decode_join_s": [r.t_join for r in reqs], "second_token_s": [r.t_second for r in reqs],
-        "done_s": [r.t_done for r in reqs],
+        "arrive_s": [r.arrived_at for r in reqs],
+        "de_assigned_s": [r.de_assigned_at for r in reqs],
+        "pe_assigned_s": [r.pe_assigned_at for r in reqs],
+        "read_done_s": [r.read_done_at for r in reqs],
+        "prefill_start_s": [r.prefill_started_at for r in reqs],
+        "prefill_done_s": [r.prefill_done_at for r in reqs],
+        "decode_join_s": [r.decode_joined_at for r in reqs],
+        "second_token_s": [r.second_token_at for r in reqs],
+        "done_s": [r.done_at for r in reqs],
     }
     records: dict[str, npt.NDArray[Any]] = {
         k: np.asarray(v, dtype=np.int64) for k, v in ints.items()
@@ -306,7 +309,7 @@ def build_result(sim: FinishedRun) -> SimResult:
         num_requests=len(reqs),
         num_completed=int((done >= 0).sum()),
         stop_reason=sim.stop_reason or (
-            "completed" if all(r.t_done >= 0.0 for r in reqs) else "stalled"
+            "completed" if all(r.done_at >= 0.0 for r in reqs) else "stalled"
         ),
         records=records,
         resources=resources,

@@ -29,6 +29,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from enum import Enum
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
@@ -46,15 +47,25 @@ from dualpath.sim.state import Engine, Node, Req
 ProgressFn = Callable[[int], None]
 
 
+class StepPart(Enum):
+    """A part of a prefill step that ends on its own event; the step ends when none is left."""
+
+    COMPUTE = 1
+    """The forward pass (a timer)."""
+    KV_FLOW = 2
+    """Layerwise prefill: the step's KV streaming in and out (one flow)."""
+
+
 class _PrefillGroup:
-    __slots__ = ("engines", "flow_pending", "idx", "is_busy", "outbound", "step", "timer_pending")
+    __slots__ = ("compute_pending", "engines", "idx", "is_busy", "kv_flow_pending", "outbound",
+                 "step")
 
     def __init__(self, idx: int, engines: list[int]) -> None:
         self.idx = idx
         self.engines = engines
         self.is_busy = False
-        self.timer_pending = False
-        self.flow_pending = False
+        self.compute_pending = False
+        self.kv_flow_pending = False
         self.step: list[tuple[Req, int]] = []
         self.outbound: dict[Link, float] | None = None
 
@@ -294,8 +305,8 @@ class Simulator:
         req = Req(len(self.reqs), agent, row, self.wl_prompt[row], self.wl_hit[row],
                   self.wl_gen[row], self.loop.now_s)
         self.reqs.append(req)
-        w = WaitingRequest(req.rid, req.prompt, req.hit, req.gen)
-        self.waiting[req.rid] = w
+        w = WaitingRequest(req.request_id, req.prompt_tokens, req.hit_tokens, req.gen_tokens)
+        self.waiting[req.request_id] = w
         if self.sched.submit(w) is Stage.PE:
             self._dispatch_pe()
         else:
@@ -355,7 +366,8 @@ class Simulator:
                 rid = a.request_id
                 req = self.reqs[rid]
                 eng = self.engines[a.engine_id]
-                req.de, req.hbm_bytes, req.t_de = a.engine_id, a.hbm_bytes, self.loop.now_s
+                req.de_engine, req.hbm_bytes = a.engine_id, a.hbm_bytes
+                req.de_assigned_at = self.loop.now_s
                 eng.free_hbm_bytes -= a.hbm_bytes
                 eng.num_seqs += 1
                 charge = sched.de_charge(self.waiting[rid])
@@ -395,9 +407,9 @@ class Simulator:
             for a in assigned:
                 req = self.reqs[a.request_id]
                 eng = self.engines[a.engine_id]
-                req.pe, req.t_pe = a.engine_id, self.loop.now_s
+                req.pe_engine, req.pe_assigned_at = a.engine_id, self.loop.now_s
                 eng.num_seqs += 1
-                eng.num_tokens += sched.pe_charge(self.waiting[req.rid])
+                eng.num_tokens += sched.pe_charge(self.waiting[req.request_id])
                 self._touch(a.engine_id)
                 if a.read is None:
                     moved = True
@@ -408,23 +420,23 @@ class Simulator:
 
     # -- storage reads --------------------------------------------------------------------------
     def _start_reads(self, req: Req, plan: ReadPlan | None) -> None:
-        pe_tokens = plan.pe_read_tokens if plan is not None else req.hit
+        pe_tokens = plan.pe_read_tokens if plan is not None else req.hit_tokens
         de_tokens = plan.de_read_tokens if plan is not None else 0
         req.pe_read_tokens, req.de_read_tokens = pe_tokens, de_tokens
         if self.is_oracle:
             self._read_done(req)
             return
-        for tokens, node in ((pe_tokens, self.engines[req.pe].node),
-                             (de_tokens, self.engines[req.de].node)):
+        for tokens, node in ((pe_tokens, self.engines[req.pe_engine].node),
+                             (de_tokens, self.engines[req.de_engine].node)):
             if tokens > 0:
-                req.reads_left += 1
+                req.num_reads_left += 1
                 nd = self.nodes[node]
                 nd.read_fifo.append((req, tokens))
                 nd.read_q_tokens += tokens
                 if not nd.is_prefill:
                     self.de_read_q[nd.idx] = nd.read_q_tokens
                 self._next_read(nd)
-        if req.reads_left == 0:
+        if req.num_reads_left == 0:
             self._read_done(req)
 
     def _next_read(self, nd: Node) -> None:
@@ -446,8 +458,8 @@ class Simulator:
         else:
             del nd.read_fifo[pick]
         if self.is_hbm_gated and nd.is_prefill:
-            pe = self.engines[req.pe]
-            req.pe_held_bytes = req.prompt * self.kv_bpt
+            pe = self.engines[req.pe_engine]
+            req.pe_held_bytes = req.prompt_tokens * self.kv_bpt
             pe.held_kv_bytes += req.pe_held_bytes
             pe.peak_held_kv_bytes = max(pe.peak_held_kv_bytes, pe.held_kv_bytes)
         nd.is_reading = True
@@ -462,8 +474,8 @@ class Simulator:
             if not nd.is_prefill:
                 self.de_read_q[nd.idx] = nd.read_q_tokens
             nd.read_tokens_total += tokens
-            req.reads_left -= 1
-            if req.reads_left == 0:
+            req.num_reads_left -= 1
+            if req.num_reads_left == 0:
                 self._read_done(req)
             self._next_read(nd)
 
@@ -476,12 +488,12 @@ class Simulator:
         room, kv, engines = self.pe_hbm_kv_bytes, self.kv_bpt, self.engines
         full: set[int] = set()
         for i, (req, _) in enumerate(nd.read_fifo):
-            if req.pe in full:
+            if req.pe_engine in full:
                 continue
-            held = engines[req.pe].held_kv_bytes
-            if held <= 0.0 or held + req.prompt * kv <= room:
+            held = engines[req.pe_engine].held_kv_bytes
+            if held <= 0.0 or held + req.prompt_tokens * kv <= room:
                 return i
-            full.add(req.pe)
+            full.add(req.pe_engine)
             if len(full) == len(nd.engines):
                 break
         return -1
@@ -490,7 +502,7 @@ class Simulator:
         """A non-layerwise request's KV has left its PE's HBM: a waiting read may start."""
         if req.pe_held_bytes <= 0.0:
             return  # no PE-side read (no hits, or read on the DE side)
-        eng = self.engines[req.pe]
+        eng = self.engines[req.pe_engine]
         eng.held_kv_bytes -= req.pe_held_bytes
         req.pe_held_bytes = 0.0
         self._next_read(self.nodes[eng.node])
@@ -501,9 +513,9 @@ class Simulator:
             self._next_read(nd)
 
     def _read_done(self, req: Req) -> None:
-        req.t_read_done = self.loop.now_s
-        self.engines[req.pe].ready.append(req)
-        self._try_prefill(self.pgroup_of[req.pe])
+        req.read_done_at = self.loop.now_s
+        self.engines[req.pe_engine].ready.append(req)
+        self._try_prefill(self.pgroup_of[req.pe_engine])
 
     # -- prefill ----------------------------------------------------------------------------------
     def _try_prefill(self, grp: _PrefillGroup) -> None:
@@ -531,8 +543,8 @@ class Simulator:
         grp.step = step
         now = self.loop.now_s
         for req, _ in step:
-            if req.t_prefill_start < 0:
-                req.t_prefill_start = now
+            if req.prefill_started_at < 0:
+                req.prefill_started_at = now
         if self.is_sync:
             per_engine = total_new / len(grp.engines)
             compute_s = max(attn) + costmod.prefill_ffn_time_s(model, hw, per_engine, coeffs)
@@ -547,26 +559,27 @@ class Simulator:
         self.num_prefill_steps += 1
         self._set_forward_load(grp.engines, True)
         if self.is_oracle:
-            grp.timer_pending = True
-            self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+            grp.compute_pending = True
+            self.loop.after(compute_s, lambda: self._step_part_done(grp, StepPart.COMPUTE))
             return
         inbound, outbound = self._step_bytes(step)
         if self.is_layerwise:
-            grp.timer_pending = True
-            grp.flow_pending = True
-            self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+            grp.compute_pending = True
+            grp.kv_flow_pending = True
+            self.loop.after(compute_s, lambda: self._step_part_done(grp, StepPart.COMPUTE))
             merged = dict(inbound)
             for link, w in outbound.items():
                 merged[link] = merged.get(link, 0.0) + w
-            self.net.start(Flow(merged.items(), 1.0, lambda: self._step_part_done(grp, "flow")))
+            self.net.start(Flow(merged.items(), 1.0,
+                                lambda: self._step_part_done(grp, StepPart.KV_FLOW)))
         else:
             # Basic: the hit KV of the batch is loaded into HBM before compute starts; the
             # prompt KV goes to the DE buffers after compute (the PE moves on meanwhile).
             def compute() -> None:
-                grp.timer_pending = True
-                self.loop.after(compute_s, lambda: self._step_part_done(grp, "timer"))
+                grp.compute_pending = True
+                self.loop.after(compute_s, lambda: self._step_part_done(grp, StepPart.COMPUTE))
 
-            grp.flow_pending = False
+            grp.kv_flow_pending = False
             self.net.start(Flow(inbound.items(), 1.0, compute))
             grp.outbound = outbound
 
@@ -581,8 +594,8 @@ class Simulator:
         # Adds inlined (a hot loop); a link enters a dict only with bytes > 0, and in this
         # order, which fixes the flow's link order.
         for req, n in step:
-            pe = engines[req.pe]
-            de = engines[req.de]
+            pe = engines[req.pe_engine]
+            de = engines[req.de_engine]
             pe_dram = nodes[pe.node].dram
             de_dram = nodes[de.node].dram
             miss = n * kv
@@ -616,12 +629,12 @@ class Simulator:
             self.net.set_capacity(eng.cnic_read, cap)
             self.net.set_capacity(eng.cnic_write, cap)
 
-    def _step_part_done(self, grp: _PrefillGroup, part: str) -> None:
-        if part == "timer":
-            grp.timer_pending = False
+    def _step_part_done(self, grp: _PrefillGroup, part: StepPart) -> None:
+        if part is StepPart.COMPUTE:
+            grp.compute_pending = False
         else:
-            grp.flow_pending = False
-        if grp.timer_pending or grp.flow_pending:
+            grp.kv_flow_pending = False
+        if grp.compute_pending or grp.kv_flow_pending:
             return
         self._set_forward_load(grp.engines, False)
         step, grp.step = grp.step, []
@@ -629,16 +642,16 @@ class Simulator:
         finished: list[Req] = []
         for req, n in step:
             if req.computed_tokens == 0 and req.pe_read_tokens and not self.is_oracle:
-                self._free_buffer(self.nodes[self.engines[req.pe].node],
+                self._free_buffer(self.nodes[self.engines[req.pe_engine].node],
                                   req.pe_read_tokens * self.kv_bpt)
             req.computed_tokens += n
             if req.remaining_tokens <= 0:
                 finished.append(req)
-                eng = self.engines[req.pe]
+                eng = self.engines[req.pe_engine]
                 eng.ready.remove(req)
                 eng.num_seqs -= 1
-                eng.num_tokens -= self.policy.pe_charge(self.waiting[req.rid])
-                self._touch(req.pe)
+                eng.num_tokens -= self.policy.pe_charge(self.waiting[req.request_id])
+                self._touch(req.pe_engine)
         grp.is_busy = False
         if outbound:
             # Basic: every request of the step waits for the step's KV transfer to the DEs.
@@ -660,15 +673,15 @@ class Simulator:
 
     def _prefill_done(self, req: Req) -> None:
         """The prompt KV is in the DE buffer and the first token exists: copy in, decode."""
-        req.t_prefill_done = self.loop.now_s
-        self.ttft_at.append(req.t_prefill_done)
-        self.ttft_sum.append(self.ttft_sum[-1] + req.t_prefill_done - req.t_arrive)
+        req.prefill_done_at = self.loop.now_s
+        self.ttft_at.append(req.prefill_done_at)
+        self.ttft_sum.append(self.ttft_sum[-1] + req.prefill_done_at - req.arrived_at)
         drv = self.config.driver
         if (drv.kind == "online" and drv.ttft_limit_s > 0
-                and req.t_prefill_done - req.t_arrive > drv.ttft_limit_s):
+                and req.prefill_done_at - req.arrived_at > drv.ttft_limit_s):
             self.stop_reason = "ttft_limit"
             self.is_stopped = True
-        de = self.engines[req.de]
+        de = self.engines[req.de_engine]
         if self.is_oracle:
             self._join_decode(req)
             return
@@ -683,7 +696,7 @@ class Simulator:
         req = de.copy_fifo.popleft()
         de.is_copying = True
         nd = self.nodes[de.node]
-        nbytes = req.prompt * self.kv_bpt
+        nbytes = req.prompt_tokens * self.kv_bpt
 
         def copied() -> None:
             de.is_copying = False
@@ -722,23 +735,23 @@ class Simulator:
 
     def _join_decode(self, req: Req) -> None:
         now = self.loop.now_s
-        req.t_join = now
-        if req.gen <= 1:
+        req.decode_joined_at = now
+        if req.gen_tokens <= 1:
             self._finish(req)
             return
-        grp = self.dgroup_of[req.de]
+        grp = self.dgroup_of[req.de_engine]
         s = self._steps_now(grp)
         start = math.ceil(s - 1e-9)
-        req.finish_step = float(start + req.gen - 1)
+        req.finish_step = float(start + req.gen_tokens - 1)
         grp.anchor_s, grp.anchor_steps = now, s
-        heapq.heappush(grp.members, (req.finish_step, req.rid, req))
-        eng = self.engines[req.de]
+        heapq.heappush(grp.members, (req.finish_step, req.request_id, req))
+        eng = self.engines[req.de_engine]
         eng.num_decoding += 1
-        eng.ctx_tokens += req.prompt + req.gen / 2.0
+        eng.ctx_tokens += req.prompt_tokens + req.gen_tokens / 2.0
         if eng.num_decoding == 1:
-            self._set_forward_load([req.de], True)
-        self._reschedule_decode(grp, req.de)
-        req.t_second = now + (start - s + 1.0) * grp.step_s
+            self._set_forward_load([req.de_engine], True)
+        self._reschedule_decode(grp, req.de_engine)
+        req.second_token_at = now + (start - s + 1.0) * grp.step_s
 
     def _reschedule_decode(self, grp: _DecodeGroup, changed: int = -1) -> None:
         """New step time after engine `changed` gained or lost a member (synchronized group:
@@ -771,13 +784,13 @@ class Simulator:
         while grp.members and grp.members[0][0] <= s + 1e-6:
             done.append(heapq.heappop(grp.members)[2])
         for req in done:
-            eng = self.engines[req.de]
+            eng = self.engines[req.de_engine]
             eng.num_decoding -= 1
-            eng.ctx_tokens -= req.prompt + req.gen / 2.0
+            eng.ctx_tokens -= req.prompt_tokens + req.gen_tokens / 2.0
             if eng.num_decoding == 0:
                 eng.ctx_tokens = 0.0
-                self._set_forward_load([req.de], False)
-        for e in {r.de for r in done}:
+                self._set_forward_load([req.de_engine], False)
+        for e in {r.de_engine for r in done}:
             self._reschedule_decode(grp, e)
         if not done:
             self._reschedule_decode(grp)
@@ -786,21 +799,22 @@ class Simulator:
 
     def _finish(self, req: Req) -> None:
         now = self.loop.now_s
-        req.t_done = now
-        eng = self.engines[req.de]
+        req.done_at = now
+        eng = self.engines[req.de_engine]
         eng.free_hbm_bytes += req.hbm_bytes
         eng.num_seqs -= 1
-        charge = self.policy.de_charge(self.waiting.pop(req.rid))
+        charge = self.policy.de_charge(self.waiting.pop(req.request_id))
         eng.num_tokens -= charge
-        self._touch(req.de)
-        gi = self.dgroup_index[req.de]
+        self._touch(req.de_engine)
+        gi = self.dgroup_index[req.de_engine]
         self.dgroup_tok[gi] -= charge
         self.de_dirty.add(gi)
         self.num_done += 1
         if self.progress is not None:
             self.progress(1)
         if not self.is_oracle:
-            new_blocks = (req.prompt + req.gen) // self.block - req.hit // self.block
+            new_blocks = ((req.prompt_tokens + req.gen_tokens) // self.block
+                          - req.hit_tokens // self.block)
             if new_blocks > 0:
                 self._persist(eng, new_blocks * self.block * self.kv_bpt)
         lo_hi = self.agent_rows[req.agent]

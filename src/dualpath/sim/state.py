@@ -17,74 +17,77 @@ INF = float("inf")
 
 
 class Req:
-    """One turn in flight. Times are `nan`-free floats; -1.0 means "not yet"."""
+    """One turn in flight. Field names follow `sched.types.WaitingRequest`; times (`*_at`,
+    simulated seconds) are `nan`-free floats, -1.0 meaning "not yet"."""
 
     __slots__ = (
         "agent",
-        "attn_s",
+        "arrived_at",
         "computed_tokens",
-        "de",
+        "de_assigned_at",
+        "de_engine",
         "de_read_tokens",
+        "decode_joined_at",
+        "done_at",
         "finish_step",
-        "gen",
+        "gen_tokens",
         "hbm_bytes",
-        "hit",
-        "pe",
+        "hit_tokens",
+        "num_reads_left",
+        "pe_assigned_at",
+        "pe_engine",
         "pe_held_bytes",
         "pe_read_tokens",
-        "prompt",
-        "reads_left",
-        "rid",
+        "prefill_done_at",
+        "prefill_started_at",
+        "prompt_tokens",
+        "read_done_at",
+        "request_id",
         "row",
-        "t_arrive",
-        "t_de",
-        "t_done",
-        "t_join",
-        "t_pe",
-        "t_prefill_done",
-        "t_prefill_start",
-        "t_read_done",
-        "t_second",
+        "second_token_at",
     )
 
-    def __init__(self, rid: int, agent: int, row: int, prompt: int, hit: int, gen: int,
-                 now_s: float) -> None:
-        self.rid = rid
+    def __init__(self, request_id: int, agent: int, row: int, prompt_tokens: int,
+                 hit_tokens: int, gen_tokens: int, arrived_at: float) -> None:
+        self.request_id = request_id
         self.agent = agent
         self.row = row
-        self.prompt = prompt
-        self.hit = hit
-        self.gen = gen
-        self.pe = -1
-        self.de = -1
+        """The turn's row in the workload's arrays."""
+        self.prompt_tokens = prompt_tokens
+        self.hit_tokens = hit_tokens
+        self.gen_tokens = gen_tokens
+        self.pe_engine = -1
+        self.de_engine = -1
         self.pe_read_tokens = 0
         self.de_read_tokens = 0
-        self.reads_left = 0
+        """Hit tokens read on the PE's and on the DE's node (both > 0: a split read)."""
+        self.num_reads_left = 0
         self.hbm_bytes = 0
+        """DE HBM reserved for the turn's KV from its DE assignment to its end."""
         self.pe_held_bytes = 0.0
         """PE HBM this request holds from its read's start (no layerwise prefill)."""
         self.computed_tokens = 0
         """Prompt tokens whose KV the PE has computed so far (chunked prefill)."""
         self.finish_step = 0.0
-        self.attn_s = 0.0
-        self.t_arrive = now_s
-        self.t_de = -1.0
-        self.t_pe = -1.0
-        self.t_read_done = -1.0
-        self.t_prefill_start = -1.0
-        self.t_prefill_done = -1.0
-        self.t_join = -1.0
-        self.t_second = -1.0
-        self.t_done = -1.0
+        """The decode group's step count at which the turn's last token is out."""
+        self.arrived_at = arrived_at
+        self.de_assigned_at = -1.0
+        self.pe_assigned_at = -1.0
+        self.read_done_at = -1.0
+        self.prefill_started_at = -1.0
+        self.prefill_done_at = -1.0
+        self.decode_joined_at = -1.0
+        self.second_token_at = -1.0
+        self.done_at = -1.0
 
     @property
     def cached_tokens(self) -> int:
         """Tokens whose KV is available to the next chunk: hits plus computed chunks."""
-        return self.hit + self.computed_tokens
+        return self.hit_tokens + self.computed_tokens
 
     @property
     def remaining_tokens(self) -> int:
-        return self.prompt - self.hit - self.computed_tokens
+        return self.prompt_tokens - self.hit_tokens - self.computed_tokens
 
 
 class Node:
