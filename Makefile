@@ -96,7 +96,7 @@ vllm-demo: $(VLLM_STAMP)
 # a corrupt block) and P/D servers with the router (both read paths over NIXL); the P/D
 # demo's router runs in .venv, hence $(STAMP). About 3 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/test_pd_servers.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/test_pd_servers.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
 # lives in its own venv), so a change to either side of the (experimental) connector API shows

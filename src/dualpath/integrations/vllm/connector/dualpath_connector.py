@@ -106,6 +106,17 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     _cache_hit_source = CacheHitSource.DISK
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: every role works inside the forward, per layer (`wait_for_layer_load`
+        injects loaded pages and waits for NIXL pulls, `save_kv_layer` captures pages to save
+        and posts pushes). A full CUDA graph replays the whole forward without those Python
+        hooks, so a routed request on a decode instance (one token to compute: an all-decode
+        batch, replayed as one full graph under vLLM's default FULL_AND_PIECEWISE) would never
+        get its staged KV, and the blocks it fills would never be saved. Under PIECEWISE,
+        attention runs outside the captured pieces and the hooks run around it."""
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
