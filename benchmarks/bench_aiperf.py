@@ -139,7 +139,7 @@ def main() -> None:
         print(f"bench_aiperf: skipped, no aiperf at {args.aiperf} (`make bench-serve` installs "
               "it into .venv-bench and runs this)")
         return
-    from dualpath.runtime.weights import smollm2_folder
+    from dualpath.runtime.model.weights import smollm2_folder
 
     profiles: dict[str, list[str]] = {
         "synthetic": ["--prompt-input-tokens-mean", str(args.input_tokens),

@@ -41,12 +41,12 @@ from pathlib import Path
 from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.store import BlockStore
+from dualpath.runtime.agent_replay import agents_from_lengths, replay
 from dualpath.runtime.buffers import BufferPool
-from dualpath.runtime.cluster import Cluster
+from dualpath.runtime.emulated_cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.model_source import ModelSource
+from dualpath.runtime.model.model_source import ModelSource
 from dualpath.runtime.node_context import NodeConfig, NodeContext, ReadJob
-from dualpath.runtime.replay import agents_from_lengths, replay
 from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.storage_io import reader_loop
 from dualpath.runtime.traffic import NodeNics, TrafficManager

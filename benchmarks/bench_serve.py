@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from dualpath.runtime.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.model.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine, make_server
 
 MiB = 2**20

@@ -70,7 +70,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path) -> None:
     from vllm.inputs import TokensPrompt
 
     from dualpath.core.blocks import block_keys
-    from dualpath.runtime.tokenizer import Tokenizer
+    from dualpath.runtime.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model)
     kwargs: dict[str, Any] = {}
@@ -141,7 +141,7 @@ def main() -> int:
         run_phase(args.phase, args.model, args.store, args.out)
         return 0
     if args.model is None:
-        from dualpath.runtime.weights import smollm2_folder
+        from dualpath.runtime.model.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the demo needs a few MB

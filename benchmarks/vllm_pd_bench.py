@@ -44,8 +44,8 @@ from dualpath.integrations.vllm.cluster.launch import (
     HOSTS_HELP,
     LOAD_MODES,
     LOADS_HELP,
-    ClusterSpec,
     VllmCluster,
+    VllmClusterSpec,
 )
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 from vllm_pd_demo import router, stats
@@ -166,12 +166,12 @@ def main() -> int:
     if args.prefill < 1 or args.decode < 1 or args.agents < 1 or args.repeats < 1:
         ap.error("--prefill, --decode, --agents and --repeats must be at least 1")
     if args.model is None:
-        from dualpath.runtime.weights import smollm2_folder
+        from dualpath.runtime.model.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-bench-") as tmp:
         work = args.workdir or Path(tmp)
-        spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
+        spec = VllmClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            hosts=args.hosts, num_prefill=args.prefill,
                            num_decode=args.decode,
                            storage_read_gbps=args.storage_read_gbps, staging_blocks=64,

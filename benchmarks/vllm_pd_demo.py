@@ -47,12 +47,12 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.launch import (
     HOST_MODES,
     HOSTS_HELP,
-    ClusterSpec,
     Instance,
     VllmCluster,
+    VllmClusterSpec,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest, prefix_keys
-from dualpath.runtime.tokenizer import Tokenizer
+from dualpath.runtime.model.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
 
 USER_1 = "Explain why reading a cached prefix from storage can be faster than recomputing it."
@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     args = ap.parse_args()
     if args.model is None:
-        from dualpath.runtime.weights import smollm2_folder
+        from dualpath.runtime.model.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
     tok = Tokenizer.from_folder(args.model)
@@ -197,7 +197,7 @@ def main() -> int:
     p1 = list(tok.encode(text + "<|im_start|>assistant\n"))
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-pd-") as tmp:
         work = args.workdir or Path(tmp)
-        spec = ClusterSpec(model=args.model, store=work / "store", python=sys.executable,
+        spec = VllmClusterSpec(model=args.model, store=work / "store", python=sys.executable,
                            hosts=args.hosts,
                            extra_args=("--enable-prompt-tokens-details",
                                        "--served-model-name", "smollm2"))

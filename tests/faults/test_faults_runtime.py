@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli.main import main
-from dualpath.runtime.cluster import Cluster
-from dualpath.runtime.model_source import ModelSource, model_tokenizer
-from dualpath.runtime.replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.agent_replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.emulated_cluster import Cluster
+from dualpath.runtime.model.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServingEngine
 
 Mount = Callable[[int], Path]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.weights import smollm2_folder
+from dualpath.runtime.model.weights import smollm2_folder
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 
 from dualpath.core.errors import SpecError
 from dualpath.runtime.estimator import MeasuredEstimator, cost_model_estimator, fit, make_estimator
-from dualpath.runtime.weights import tiny_random_model
+from dualpath.runtime.model.weights import tiny_random_model
 from dualpath.sched.batching import PrefillItem, pack_prefill_batch
 
 

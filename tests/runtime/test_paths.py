@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.cluster import Cluster
-from dualpath.runtime.replay import AgentScript, RunResult, agents_from_lengths, replay
+from dualpath.runtime.agent_replay import AgentScript, RunResult, agents_from_lengths, replay
+from dualpath.runtime.emulated_cluster import Cluster
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.model.weights import tiny_random_model
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.weights import tiny_random_model
 
 # Two agents, three turns each: turn 2 and 3 prompts extend the previous context, so they hit.
 TURNS = [([300, 40, 70], [8, 8, 40]), ([200, 100, 5], [5, 30, 3])]

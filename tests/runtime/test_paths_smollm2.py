@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.cluster import Cluster
-from dualpath.runtime.model_source import ModelSource
-from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.agent_replay import agents_from_lengths, replay
+from dualpath.runtime.emulated_cluster import Cluster
+from dualpath.runtime.model.model_source import ModelSource
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.model.weights import CheckpointError, load_checkpoint, smollm2_gguf_path
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.weights import CheckpointError, load_checkpoint, smollm2_gguf_path
 
 if not os.environ.get("DUALPATH_SLOW_TESTS"):
     pytest.skip("slow: set DUALPATH_SLOW_TESTS=1", allow_module_level=True)

@@ -15,8 +15,8 @@ import pytest
 
 from dualpath.cli.main import main
 from dualpath.core.errors import SpecError
-from dualpath.runtime.cluster import Cluster, RunError
-from dualpath.runtime.replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.agent_replay import RunResult, agents_from_lengths, replay
+from dualpath.runtime.emulated_cluster import Cluster, RunError
 from dualpath.runtime.run_config import RunConfig
 from dualpath.workload.jsonl import TrajectoryFile, save_trajectories
 from dualpath.workload.trajectory import Trajectory

@@ -15,7 +15,7 @@ import pytest
 from dualpath.cli.commands.run import _config
 from dualpath.cli.main import build_parser, main
 from dualpath.core.errors import SpecError
-from dualpath.runtime.weights import CheckpointError, config_from_hf
+from dualpath.runtime.model.weights import CheckpointError, config_from_hf
 
 GOOD = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,

@@ -12,7 +12,8 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.runtime.cluster import Cluster, RunError
+from dualpath.runtime.agent_replay import agents_from_lengths, replay
+from dualpath.runtime.emulated_cluster import Cluster, RunError
 from dualpath.runtime.messages import (
     EngineLoad,
     Fetch,
@@ -25,10 +26,9 @@ from dualpath.runtime.messages import (
     TurnDone,
     TurnSpec,
 )
-from dualpath.runtime.replay import agents_from_lengths, replay
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.scheduler import (
+from dualpath.runtime.scheduler_process import (
     SCHEDULER_NODE,
     RuntimeScheduler,
     SchedulerConfig,

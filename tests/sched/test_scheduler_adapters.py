@@ -1,6 +1,6 @@
 """One scheduler, two worlds: a scripted sequence of arrivals, fetches and completions driven
 through the simulator's adapter (`sim.policy.Policy`, applied as the simulator applies it: an
-engine's counters change the moment it is bound) and the runtime's (`runtime.scheduler.
+engine's counters change the moment it is bound) and the runtime's (`runtime.scheduler_process.
 RuntimeScheduler`, fed by `Fetch` messages whose loads are what each node has received so far)
 must make the same decisions: the same PE, DE and read split for every request, at the same
 fetch, and the same queue lengths after every fetch."""
@@ -17,8 +17,8 @@ from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.runtime.messages import EngineLoad, Fetch, TurnSpec
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.scheduler import RuntimeScheduler, SchedulerConfig, Submitted
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.scheduler_process import RuntimeScheduler, SchedulerConfig, Submitted
 from dualpath.sched import EngineReport, PathMode, Role, SchedulerParams, WaitingRequest
 from dualpath.sched.cost import coefficients_for
 from dualpath.sim import SimConfig, SimParams, Workload, mode_preset

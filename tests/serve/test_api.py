@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from dualpath.runtime.model_source import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.model.model_source import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
 from dualpath.serve import ApiError, ServingEngine, make_server, parse_request
 from dualpath.serve.api import ApiServer, TextStream
 from dualpath.serve.protocol import Limits

@@ -22,10 +22,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from dualpath.runtime.model import Model
-from dualpath.runtime.model_source import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.model.llama import Model
+from dualpath.runtime.model.model_source import ModelSource, build_model, model_tokenizer
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import ServerConfig, ServingEngine, make_server
 from dualpath.serve.api import ApiServer
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from dualpath.runtime.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.model.model_source import ModelSource, model_tokenizer
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.serve import GenerateRequest, ServeError, ServingEngine, make_server
 from dualpath.serve.engine import RestartBudget
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.weights import CheckpointError, smollm2_gguf_path
+from dualpath.runtime.model.weights import CheckpointError, smollm2_gguf_path
 
 try:
     smollm2_gguf_path()

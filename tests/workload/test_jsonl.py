@@ -3,12 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.jsonl import (
     load_trajectories,
     save_trajectories,
     trajectory_file,
 )
+from dualpath.workload.trace_errors import TraceFormatError
 from dualpath.workload.trajectory import Trajectory
 
 HEADER = '{"format": "dualpath-trajectories", "version": 1, "max_len_tokens": 1000}'

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.mooncake import (
     MooncakeRequest,
     MooncakeTrace,
@@ -11,6 +10,7 @@ from dualpath.workload.mooncake import (
     load_mooncake,
     to_trajectories,
 )
+from dualpath.workload.trace_errors import TraceFormatError
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "mooncake_excerpt.jsonl"
 FULL = Path(__file__).parents[3] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"

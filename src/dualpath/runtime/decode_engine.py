@@ -34,7 +34,6 @@ import torch
 
 from dualpath.core.blocks import ROOT_KEY, block_key
 from dualpath.runtime.buffers import BufferFullError
-from dualpath.runtime.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.messages import (
     Cancel,
     DeBufferReady,
@@ -45,6 +44,7 @@ from dualpath.runtime.messages import (
     TurnDone,
     TurnTokens,
 )
+from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.node_context import NodeContext, ReadJob
 
 

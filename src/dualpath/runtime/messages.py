@@ -17,9 +17,9 @@ Request flow (PE engine p on prefill node A, DE engine d on decode node B):
     B -> scheduler  TurnDone                           generated tokens, timings, byte counts
     scheduler -> driver  TurnTokens, TurnDone          forwarded (the driver submits the next turn)
 
-The scheduler is its own process (`scheduler.serve_scheduler`): nodes send it everything they
-address to "the scheduler" (fetches, TurnDone, NodeUp, NodeStats, NodeFailed); it forwards to
-the driver what the driver needs and answers the fetches itself.
+The scheduler is its own process (`scheduler_process.serve_scheduler`): nodes send it
+everything they address to "the scheduler" (fetches, TurnDone, NodeUp, NodeStats, NodeFailed);
+it forwards to the driver what the driver needs and answers the fetches itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
+from dualpath.runtime.model.sampling import SamplingParams, TokenLogprobs
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.types import WaitingRequest
 

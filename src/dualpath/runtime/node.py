@@ -47,10 +47,10 @@ from dualpath.runtime.messages import (
     Shutdown,
     is_parent_gone,
 )
-from dualpath.runtime.model_source import build_model
+from dualpath.runtime.model.model_source import build_model
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.node_context import NodeConfig, NodeContext
 from dualpath.runtime.prefill_engine import PrefillEngine
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.runtime.storage_io import reader_loop, writer_loop
 
 

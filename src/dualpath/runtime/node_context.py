@@ -22,7 +22,7 @@ from dualpath.runtime.buffers import BufferPool
 from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import Message, NodeStats
-from dualpath.runtime.model_source import ModelSource
+from dualpath.runtime.model.model_source import ModelSource
 from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager
 from dualpath.runtime.transfer import TransferEngine, make_transfer_engine
 

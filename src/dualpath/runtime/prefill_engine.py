@@ -56,8 +56,8 @@ from dualpath.runtime.messages import (
     PrefillTask,
     RemoteCharge,
 )
+from dualpath.runtime.model.sampling import sample
 from dualpath.runtime.node_context import NodeContext, ReadJob
-from dualpath.runtime.sampling import sample
 from dualpath.sched.batching import BatchEntry, PrefillItem, pack_prefill_batch
 from dualpath.sched.cost import AttentionTimeEstimator
 

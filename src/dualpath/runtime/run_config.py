@@ -18,7 +18,7 @@ from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive, positive_int
 from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.model_source import ModelSource
+from dualpath.runtime.model.model_source import ModelSource
 from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import ReadSide

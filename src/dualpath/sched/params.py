@@ -16,7 +16,7 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
   charge the private queue and the undelivered requests with `prompt_tokens` whatever this
   field said; at the default (`PROMPT`) the two are the same, so no result changed. `PROMPT`
   is also what the runtime's engines count in their own reports (a prompt's tokens), so the
-  runtime runs only this default (`runtime.scheduler.SchedulerConfig` checks it).
+  runtime runs only this default (`runtime.scheduler_process.SchedulerConfig` checks it).
 - `update_read_q_within_fetch`: `True`. When a fetch knows a request's read path it adds the
   read to the chosen node's `read_q` at once, so one fetch that assigns many requests does not
   keep sending them to a node whose queue it has already filled (the purpose of category 2).

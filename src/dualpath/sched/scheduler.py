@@ -3,8 +3,8 @@ the pure policies of `pe`, `de` and `path`.
 
 No clocks, threads or I/O: time never enters, and every load comes in as an argument (the
 engines' `EngineReport`s of the fetching group, the group loads of DE phase 1, other nodes' read
-queues). A world (the simulator's `sim.policy`, the runtime's `runtime.scheduler`) only turns its
-own state into those arguments and applies the decisions returned:
+queues). A world (the simulator's `sim.policy`, the runtime's `runtime.scheduler_process`) only
+turns its own state into those arguments and applies the decisions returned:
 
     submit(request)                    -> Stage      the queue the request now waits in
     drain(group_tokens)                -> tuple[GroupAssignment, ...]  DE phase 1

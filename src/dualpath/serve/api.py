@@ -54,8 +54,8 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dualpath.core.errors import SpecError
-from dualpath.runtime.sampling import TokenLogprobs
-from dualpath.runtime.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from dualpath.runtime.model.sampling import TokenLogprobs
+from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from dualpath.serve.engine import Finished, Generation, ServeError, ServingEngine
 from dualpath.serve.metrics import CONTENT_TYPE, ServeMetrics, storage_counters
 from dualpath.serve.protocol import (

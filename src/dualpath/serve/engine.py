@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.cluster import Cluster, RunError
+from dualpath.runtime.emulated_cluster import Cluster, RunError
 from dualpath.runtime.messages import TurnDone, TurnTokens
+from dualpath.runtime.model.sampling import SamplingParams, TokenLogprobs
+from dualpath.runtime.model.tokenizer import Tokenizer
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams, TokenLogprobs
-from dualpath.runtime.tokenizer import Tokenizer
 
 STATS_INTERVAL_S = 1.0
 """How often the served cluster's nodes report their counters."""

@@ -26,8 +26,8 @@ from pydantic import (
 )
 
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.runtime.sampling import MAX_LOGPROBS, SamplingParams
-from dualpath.runtime.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from dualpath.runtime.model.sampling import MAX_LOGPROBS, SamplingParams
+from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from dualpath.serve.engine import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16

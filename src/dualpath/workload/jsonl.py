@@ -37,7 +37,7 @@ from typing import Any, TextIO
 
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
-from dualpath.workload.errors import TraceFormatError
+from dualpath.workload.trace_errors import TraceFormatError
 from dualpath.workload.trajectory import Trajectory
 
 FORMAT_NAME = "dualpath-trajectories"

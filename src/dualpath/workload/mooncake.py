@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.core.blocks import longest_prefix
-from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.jsonl import EMPTY, TrajectoryFile, parse_json_line, trajectory_file
+from dualpath.workload.trace_errors import TraceFormatError
 from dualpath.workload.trajectory import FloatArray, IntArray, Trajectory
 
 MOONCAKE_BLOCK_SIZE = 512

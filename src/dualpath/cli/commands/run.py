@@ -188,7 +188,7 @@ def add_cluster_arguments(
 
 
 def _model_source(args: argparse.Namespace) -> Any:
-    from dualpath.runtime.model_source import ModelSource
+    from dualpath.runtime.model.model_source import ModelSource
 
     if args.model in ("tiny", "smollm2"):
         return ModelSource(args.model, seed=args.model_seed)
@@ -221,7 +221,7 @@ def _buffer_bytes(args: argparse.Namespace, preset_bytes: int) -> int:
     slots on both sides at once, PE and DE buffers can never wait on each other in a cycle."""
     if args.buffer_mib is not None:
         return int(args.buffer_mib * MiB)
-    from dualpath.runtime.model_source import model_config
+    from dualpath.runtime.model.model_source import model_config
 
     layout = model_config(_model_source(args)).kv_layout(args.block_size)
     blocks_per_agent = -(-args.max_len // args.block_size) + 2
@@ -266,8 +266,8 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
 def _run_mode(args: argparse.Namespace, mode: str, trajectories: list[Any]) -> Any:
     from tqdm import tqdm
 
-    from dualpath.runtime.cluster import Cluster
-    from dualpath.runtime.replay import agents_from_trajectories, replay
+    from dualpath.runtime.agent_replay import agents_from_trajectories, replay
+    from dualpath.runtime.emulated_cluster import Cluster
 
     with tempfile.TemporaryDirectory(prefix=f"dualpath-{mode}-") as tmp:
         store = str(Path(args.store) / mode) if args.store else tmp

@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from dualpath.runtime.model_source import model_tokenizer
+    from dualpath.runtime.model.model_source import model_tokenizer
     from dualpath.serve import ServingEngine, make_server
 
     if not 0 <= args.port <= 65535:

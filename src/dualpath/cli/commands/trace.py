@@ -25,7 +25,6 @@ from tqdm import tqdm
 from dualpath.core.blocks import DEFAULT_BLOCK_SIZE
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive_int
-from dualpath.workload.errors import TraceFormatError
 from dualpath.workload.fit import fit_params
 from dualpath.workload.jsonl import (
     EMPTY,
@@ -38,6 +37,7 @@ from dualpath.workload.mooncake import MooncakeTrace, parse_mooncake, to_traject
 from dualpath.workload.replay import expand_agents, scale_lengths
 from dualpath.workload.stats import Table2Stats, table2_stats
 from dualpath.workload.synthetic import PRESETS, TABLE2, Table2Row, generate, preset
+from dualpath.workload.trace_errors import TraceFormatError
 from dualpath.workload.trajectory import TurnTable
 
 

@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from dualpath.integrations.vllm.cluster.launch import ClusterSpec, VllmCluster
+    from dualpath.integrations.vllm.cluster.launch import VllmCluster, VllmClusterSpec
 
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).
@@ -76,12 +76,12 @@ def run_up(args: argparse.Namespace) -> int:
         raise SpecError("vllm up", "vllm_python", str(python),
                         "not found: run `make vllm-setup` (or give --vllm-python)")
     if args.model is None:
-        from dualpath.runtime.weights import smollm2_folder
+        from dualpath.runtime.model.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-") as tmp:
         store = args.store or Path(tmp) / "store"
-        spec = ClusterSpec(model=args.model, store=store, python=str(python),
+        spec = VllmClusterSpec(model=args.model, store=store, python=str(python),
                            num_prefill=args.prefill, num_decode=args.decode,
                            log_dir=Path(tmp) if args.store is None else store.parent,
                            staging_blocks=args.staging_blocks,

@@ -18,9 +18,9 @@ import pytest
 
 from dualpath.integrations.vllm.cluster import netns
 from dualpath.integrations.vllm.cluster.launch import (
-    ClusterSpec,
     LaunchError,
     VllmCluster,
+    VllmClusterSpec,
     cpu_binding,
     cpu_sets,
 )
@@ -60,8 +60,8 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def spec(tmp: Path, hosts: str) -> ClusterSpec:
-    return ClusterSpec(model=str(tmp), store=tmp / "store", python=sys.executable,
+def spec(tmp: Path, hosts: str) -> VllmClusterSpec:
+    return VllmClusterSpec(model=str(tmp), store=tmp / "store", python=sys.executable,
                        num_decode=2, hosts=hosts, startup_timeout_s=60)
 
 
@@ -201,10 +201,10 @@ def test_cpu_binding_leaves_an_explicit_binding_alone(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
     assert cpu_binding(spec(tmp_path, "loopback"), 3) == [{}, {}, {}]
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    off = ClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
+    off = VllmClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
                       bind_cpus=False)
     assert cpu_binding(off, 2) == [{}, {}]
-    tp = ClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
+    tp = VllmClusterSpec(model=str(tmp_path), store=tmp_path, python=sys.executable,
                      extra_args=("--tensor-parallel-size", "2"))
     assert cpu_binding(tp, 2) == [{}, {}]  # one core list per rank: the environment's call
     assert all("VLLM_CPU_OMP_THREADS_BIND" in b for b in cpu_binding(spec(tmp_path, "x"), 2))

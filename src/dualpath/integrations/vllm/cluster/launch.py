@@ -66,7 +66,7 @@ def free_port() -> int:
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
+class VllmClusterSpec:
     model: str
     """An HF-style model folder (vLLM 0.32 on CPU loads no GGUF: the converted SmolLM2)."""
     store: Path
@@ -130,8 +130,8 @@ def cpu_sets(num_instances: int, cpus: Sequence[int],
     return sets
 
 
-def cpu_binding(spec: ClusterSpec, num_instances: int) -> list[dict[str, str]]:
-    """The environment that binds each instance's vLLM worker (`ClusterSpec.bind_cpus`):
+def cpu_binding(spec: VllmClusterSpec, num_instances: int) -> list[dict[str, str]]:
+    """The environment that binds each instance's vLLM worker (`VllmClusterSpec.bind_cpus`):
     `VLLM_CPU_OMP_THREADS_BIND` to a core set of its own; with fewer cores than instances,
     no binding and one OpenMP thread each (they share the cores, none is pinned). An instance
     of several ranks (tensor or pipeline parallel in `extra_args`) needs one list per rank:
@@ -193,7 +193,7 @@ class Instance:
         return [json.loads(x) for x in self.event_log.read_text().splitlines() if x.strip()]
 
 
-def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
+def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | None,
                        event_log: Path | None) -> dict[str, Any]:
     extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
     if event_log is not None:
@@ -211,7 +211,7 @@ def kv_transfer_config(spec: ClusterSpec, role: str, side_channel: str | None,
             "kv_connector_extra_config": extra}
 
 
-def server_command(spec: ClusterSpec, port: int, config: dict[str, Any],
+def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
                    chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
     template = ["--chat-template", str(chat_template)] if chat_template is not None else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -229,7 +229,7 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 class VllmCluster:
     """P prefill and D decode vLLM servers on one store (a context manager)."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: VllmClusterSpec) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         if spec.hosts not in HOST_MODES:

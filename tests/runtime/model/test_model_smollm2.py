@@ -10,11 +10,11 @@ import torch
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.runtime.kv_cache import KVCache
-from dualpath.runtime.model import Model
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.tokenizer import ChatMessage, Tokenizer
-from dualpath.runtime.weights import (
+from dualpath.runtime.model.kv_cache import KVCache
+from dualpath.runtime.model.llama import Model
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer
+from dualpath.runtime.model.weights import (
     CheckpointError,
     load_checkpoint,
     load_tokenizer,

@@ -1,9 +1,9 @@
 """An emulated PD-disaggregated cluster on one machine.
 
-`Cluster` starts the scheduler (`scheduler.serve_scheduler`) and one node per process (or
+`Cluster` starts the scheduler (`scheduler_process.serve_scheduler`) and one node per process (or
 each per thread, for fast tests) and wires their message queues; the calling process is only
 the driver (a client): it submits turns to the scheduler and learns of finished ones (the agent
-replay of `replay.py`, the HTTP API of `dualpath.serve`). Nodes `[0, P)` are prefill nodes,
+replay of `agent_replay.py`, the HTTP API of `dualpath.serve`). Nodes `[0, P)` are prefill nodes,
 `[P, P+D)` decode nodes.
 
 What is emulated and what is not: storage NICs (read and write per node) and compute NICs (tx and
@@ -49,12 +49,12 @@ from dualpath.runtime.messages import (
     TurnSpec,
     TurnTokens,
 )
-from dualpath.runtime.model_source import model_config
+from dualpath.runtime.model.model_source import model_config
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.node import run_node
 from dualpath.runtime.node_context import NodeConfig
 from dualpath.runtime.run_config import RunConfig, scheduler_params
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.scheduler import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
+from dualpath.runtime.scheduler_process import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.types import WaitingRequest
 

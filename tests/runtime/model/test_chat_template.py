@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.runtime.tokenizer import (
+from dualpath.runtime.model.tokenizer import (
     ChatMessage,
     Tokenizer,
     TokenizerError,
     render_chat_template,
 )
-from dualpath.runtime.weights import CheckpointError, smollm2_gguf_path
+from dualpath.runtime.model.weights import CheckpointError, smollm2_gguf_path
 
 LLAMA3_LIKE = (
     "{{ bos_token }}{% for m in messages %}"

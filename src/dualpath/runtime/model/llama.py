@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.runtime.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.kvlayout import KV_DTYPES, KVLayout
-from dualpath.runtime.model_config import ModelConfig, default_device
-from dualpath.runtime.sampling import SamplingParams
+from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
+from dualpath.runtime.model.model_config import ModelConfig, default_device
+from dualpath.runtime.model.sampling import SamplingParams
 
 ROPE_DTYPE = torch.float32
 

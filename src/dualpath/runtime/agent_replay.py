@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.core.errors import SpecError
-from dualpath.runtime.cluster import Cluster, RunError
+from dualpath.runtime.emulated_cluster import Cluster, RunError
 from dualpath.runtime.messages import NodeStats, TurnDone
+from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig
-from dualpath.runtime.sampling import SamplingParams
 from dualpath.workload.tokens import RandomTokens
 from dualpath.workload.trajectory import Trajectory
 

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
-from dualpath.runtime.kv_cache import DecodeSequence, KVCache, KVCacheFullError
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.model import Model
-from dualpath.runtime.sampling import SamplingParams
-from dualpath.runtime.weights import (
+from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache, KVCacheFullError
+from dualpath.runtime.model.llama import Model
+from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.runtime.model.weights import (
     CheckpointError,
     convert_gguf,
     load_checkpoint,

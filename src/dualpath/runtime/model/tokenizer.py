@@ -13,7 +13,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from dualpath.core.errors import DualPathError
-from dualpath.runtime.gguf import metadata, open_gguf
+from dualpath.runtime.model.gguf import metadata, open_gguf
 
 GGUF_CONTROL_TOKEN = 3
 """`tokenizer.ggml.token_type` of control (special) tokens."""

@@ -28,8 +28,8 @@ class ModelSource:
 
 
 def build_model(source: ModelSource) -> Any:
-    """The layer-by-layer model of `source` (runtime.model / runtime.weights)."""
-    from dualpath.runtime import weights
+    """The layer-by-layer model of `source` (`llama`, `weights`)."""
+    from dualpath.runtime.model import weights
 
     if source.kind == "tiny":
         return weights.tiny_random_model(source.seed)
@@ -41,8 +41,8 @@ def build_model(source: ModelSource) -> Any:
 def model_tokenizer(source: ModelSource) -> Any:
     """The `Tokenizer` of `source` with its chat template: the checkpoint's own, or
     byte-level (ChatML) for `tiny`."""
-    from dualpath.runtime import weights
-    from dualpath.runtime.tokenizer import Tokenizer
+    from dualpath.runtime.model import weights
+    from dualpath.runtime.model.tokenizer import Tokenizer
 
     if source.kind == "tiny":
         return Tokenizer.byte_level(weights.tiny_config().vocab_size)
@@ -53,7 +53,7 @@ def model_tokenizer(source: ModelSource) -> Any:
 
 def model_config(source: ModelSource) -> Any:
     """The `ModelConfig` of `source` without loading weights (what the driver needs)."""
-    from dualpath.runtime import weights
+    from dualpath.runtime.model import weights
 
     if source.kind == "tiny":
         return weights.tiny_config()

@@ -11,8 +11,8 @@ import torch
 from dualpath.core.errors import DualPathError
 from dualpath.core.validate import positive_int
 from dualpath.runtime.kvlayout import KVLayout
-from dualpath.runtime.model_config import ModelConfig, default_device
-from dualpath.runtime.sampling import SamplingParams, TokenLogprobs, sample
+from dualpath.runtime.model.model_config import ModelConfig, default_device
+from dualpath.runtime.model.sampling import SamplingParams, TokenLogprobs, sample
 
 
 class KVCacheFullError(DualPathError):
