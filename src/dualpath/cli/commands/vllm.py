@@ -59,6 +59,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "(default: %(default)s)")
     up.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     up.add_argument("--loads", choices=LOAD_MODES, default="sync", help=LOADS_HELP)
+    up.add_argument("--dtype", default="float32", help="vLLM's --dtype (a GPU: bfloat16 or "
+                    "auto) (default: %(default)s)")
+    up.add_argument("--cuda-graphs", action="store_true", help="run with CUDA graphs (vLLM "
+                    "makes them PIECEWISE for the connector); default: --enforce-eager")
+    up.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="ranks per instance (default: %(default)s)")
+    up.add_argument("--gpus", metavar="IDS", help="comma-separated GPU ids shared out in "
+                    "order, --tensor-parallel-size per instance (CUDA_VISIBLE_DEVICES of "
+                    "each); default: not set")
     up.set_defaults(func=run_up)
 
 
@@ -86,7 +95,10 @@ def run_up(args: argparse.Namespace) -> int:
                            log_dir=Path(tmp) if args.store is None else store.parent,
                            staging_blocks=args.staging_blocks,
                            storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
-                           async_loads=args.loads == "async")
+                           async_loads=args.loads == "async", dtype=args.dtype,
+                           cuda_graphs=args.cuda_graphs,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           gpus=tuple(g for g in (args.gpus or "").split(",") if g))
         print(f"dualpath vllm up: starting {args.prefill} prefill + {args.decode} decode vLLM "
               f"servers (a minute or two on CPU) ...", file=sys.stderr, flush=True)
         with VllmCluster(spec) as cluster:

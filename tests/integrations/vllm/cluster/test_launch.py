@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster import netns
 from dualpath.integrations.vllm.cluster.launch import (
     LaunchError,
@@ -23,10 +24,11 @@ from dualpath.integrations.vllm.cluster.launch import (
     VllmClusterSpec,
     cpu_binding,
     cpu_sets,
+    server_command,
 )
 
 STAND_IN = '''
-import argparse, json, os
+import argparse, json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 ap = argparse.ArgumentParser()
@@ -40,7 +42,9 @@ class H(BaseHTTPRequestHandler):
                            "config": json.loads(args.kv_transfer_config),
                            "ucx_tls": os.environ.get("UCX_TLS"),
                            "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                           "omp": os.environ.get("OMP_NUM_THREADS")}).encode()
+                           "omp": os.environ.get("OMP_NUM_THREADS"),
+                           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           "argv": sys.argv[1:]}).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *a):
         pass
@@ -208,3 +212,36 @@ def test_cpu_binding_leaves_an_explicit_binding_alone(
                      extra_args=("--tensor-parallel-size", "2"))
     assert cpu_binding(tp, 2) == [{}, {}]  # one core list per rank: the environment's call
     assert all("VLLM_CPU_OMP_THREADS_BIND" in b for b in cpu_binding(spec(tmp_path, "x"), 2))
+
+
+def test_the_cpu_command_line_is_unchanged(tmp_path: Path) -> None:
+    cmd = server_command(spec(tmp_path, "loopback"), 8100, {})
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd
+    assert "--tensor-parallel-size" not in cmd
+
+
+def test_a_gpu_cluster_gets_its_dtype_cuda_graphs_ranks_and_gpus(
+        stand_in: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu = VllmClusterSpec(model=str(stand_in), store=stand_in / "store", python=sys.executable,
+                          num_decode=2, startup_timeout_s=60, dtype="bfloat16",
+                          cuda_graphs=True, tensor_parallel_size=2,
+                          gpus=("0", "1", "2", "3", "4", "5", "6"))
+    with VllmCluster(gpu) as cluster:
+        seen = [whoami(i.url) for i in cluster.instances]
+        assert [me["gpus"] for me in seen] == ["0,1", "2,3", "4,5"]
+        for me in seen:
+            argv = me["argv"]
+            assert argv[argv.index("--dtype") + 1] == "bfloat16"
+            assert "--enforce-eager" not in argv
+            assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+            assert me["bind"] is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+        for inst in cluster.decode:  # rank 1's side channel port is free too
+            assert inst.side_channel is not None
+            port = int(inst.side_channel.rpartition(":")[2])
+            assert port + 1 not in {int(i.side_channel.rpartition(":")[2])
+                                    for i in cluster.decode if i is not inst
+                                    and i.side_channel is not None}
+    with pytest.raises(SpecError, match="need 6 GPUs"):
+        VllmClusterSpec(model="m", store=stand_in, python="p", tensor_parallel_size=2,
+                        num_decode=2, gpus=("0", "1", "2", "3", "4"))

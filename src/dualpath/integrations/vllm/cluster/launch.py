@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster import netns
 
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
@@ -65,6 +66,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 now."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base + 1, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise OSError(f"no {n} consecutive free ports")
+
+
 @dataclass(frozen=True)
 class VllmClusterSpec:
     model: str
@@ -92,6 +110,17 @@ class VllmClusterSpec:
     hosts: str = "loopback"
     """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
     own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
+    dtype: str = "float32"
+    """vLLM's `--dtype` (CPU: float32; a GPU deployment: bfloat16 or auto)."""
+    cuda_graphs: bool = False
+    """Run with CUDA graphs (the connector makes vLLM use PIECEWISE ones); False passes
+    `--enforce-eager` (on CPU, torch.compile's warm-up alone takes minutes)."""
+    tensor_parallel_size: int = 1
+    """Ranks per instance (`--tensor-parallel-size`); a decode instance's ranks serve their
+    side channels on consecutive ports."""
+    gpus: tuple[str, ...] = ()
+    """GPU ids to share out: instance `i` gets `CUDA_VISIBLE_DEVICES` of the ids
+    `[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)` (empty: not set)."""
     bind_cpus: bool = True
     """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
     worker binds its threads to all the cores of a NUMA node by default, so two instances on
@@ -99,6 +128,23 @@ class VllmClusterSpec:
     instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
     explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise SpecError("vllm cluster", "tensor_parallel_size", self.tensor_parallel_size,
+                            "must be >= 1")
+        need = (self.num_prefill + self.num_decode) * self.tensor_parallel_size
+        if self.gpus and len(self.gpus) < need:
+            raise SpecError("vllm cluster", "gpus", ",".join(self.gpus),
+                            f"{self.num_prefill + self.num_decode} instances x "
+                            f"{self.tensor_parallel_size} ranks need {need} GPUs")
+
+    def instance_gpus(self, index: int) -> dict[str, str]:
+        """The environment that gives instance `index` its GPUs (nothing without `gpus`)."""
+        if not self.gpus:
+            return {}
+        tp = self.tensor_parallel_size
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[index * tp:(index + 1) * tp])}
 
 
 def _topology(cpu: int) -> tuple[int, int]:
@@ -136,8 +182,9 @@ def cpu_binding(spec: VllmClusterSpec, num_instances: int) -> list[dict[str, str
     no binding and one OpenMP thread each (they share the cores, none is pinned). An instance
     of several ranks (tensor or pipeline parallel in `extra_args`) needs one list per rank:
     then the binding is left to the environment."""
-    parallel = any(a.startswith(("--tensor-parallel-size", "--pipeline-parallel-size", "-tp",
-                                 "-pp")) for a in spec.extra_args)
+    parallel = spec.tensor_parallel_size > 1 or any(a.startswith(
+        ("--tensor-parallel-size", "--pipeline-parallel-size", "-tp", "-pp"))
+        for a in spec.extra_args)
     if not spec.bind_cpus or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [{} for _ in range(num_instances)]
     sets = cpu_sets(num_instances, list(os.sched_getaffinity(0)))
@@ -214,9 +261,12 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
 def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
                    chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
     template = ["--chat-template", str(chat_template)] if chat_template is not None else []
+    eager = [] if spec.cuda_graphs else ["--enforce-eager"]
+    parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
+        if spec.tensor_parallel_size > 1 else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", spec.model, "--tokenizer", spec.model, "--dtype", "float32",
-            "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0",
+            "--model", spec.model, "--tokenizer", spec.model, "--dtype", spec.dtype,
+            *eager, *parallel, "--no-enable-prefix-caching", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
             "--host", host, "--port", str(port),
             "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
@@ -275,7 +325,9 @@ class VllmCluster:
                 host = self.hosts.add() if self.hosts is not None else None
                 address = host.address if host is not None else "127.0.0.1"
                 port = free_port()
-                side = f"{address}:{free_port()}" if role == "decode" else None
+                # A decode instance's ranks serve side channels on consecutive ports.
+                side = f"{address}:{free_ports(spec.tensor_parallel_size)}" \
+                    if role == "decode" else None
                 events = log_dir / f"{name}.events.jsonl" if spec.event_logs else None
                 log_path = log_dir / f"{name}.log"
                 log = log_path.open("wb")
@@ -284,7 +336,9 @@ class VllmCluster:
                 if host is not None:
                     cmd = host.command(cmd)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**env, **bind}, start_new_session=True,
+                                        env={**env, **bind,
+                                             **spec.instance_gpus(len(self.instances))},
+                                        start_new_session=True,
                                         preexec_fn=_die_with_parent)
                 self.instances.append(Instance(
                     name, role, port, side, proc, log_path, events, log, address,
