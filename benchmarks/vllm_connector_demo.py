@@ -69,7 +69,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from dualpath.core.blocks import block_keys
+    from dualpath.core.blocks import block_keys, hit_blocks
     from dualpath.runtime.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model)
@@ -107,8 +107,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path) -> None:
         result["block_size"] = bs
         result["blocks_in_store_after_turn1"] = len(store_obj.keys())
         # Turn 2 may reuse the stored blocks of its prompt, less one token to compute.
-        result["expected_hit_tokens"] = bs * min(store_obj.longest_prefix(keys),
-                                                 (len(p2) - 1) // bs)
+        result["expected_hit_tokens"] = bs * hit_blocks(keys, len(p2), store_obj.contains, bs)
     out2, cached2, s2 = generate(p2, TURN2_TOKENS)
     result.update(p1_tokens=len(p1), out1=out1, cached1=cached1, turn1_s=round(s1, 1),
                   p2_tokens=len(p2), out2=out2, cached2=cached2, turn2_s=round(s2, 1),

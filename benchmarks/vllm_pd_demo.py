@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.launch import (
     HOST_MODES,
@@ -51,7 +52,7 @@ from dualpath.integrations.vllm.cluster.launch import (
     VllmCluster,
     VllmClusterSpec,
 )
-from dualpath.integrations.vllm.manifest import RouteParams, find_manifest, prefix_keys
+from dualpath.integrations.vllm.manifest import RouteParams, find_manifest
 from dualpath.runtime.model.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
 
@@ -215,9 +216,8 @@ def main() -> int:
                 f"\n<|im_start|>user\n{USER_2}<|im_end|>\n<|im_start|>assistant\n"))
             m = find_manifest(spec.store)
             store = BlockStore(spec.store, m.full_block_bytes, is_durable=False)
-            keys = prefix_keys(m.namespace_bytes, p2, m.block_size,
-                               max(len(p2) - 1, 0) // m.block_size)
-            hit = store.longest_prefix(keys)
+            keys = block_keys(p2, m.block_size, m.namespace_bytes)
+            hit = m.hit_blocks(p2, store.contains)
             runs = {"recompute": pd_turn(cluster, model, p2, args.turn2_tokens, 0, 0),
                     "pe": pd_turn(cluster, model, p2, args.turn2_tokens, hit, hit),
                     "de": pd_turn(cluster, model, p2, args.turn2_tokens, hit, 0),

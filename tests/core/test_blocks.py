@@ -6,7 +6,9 @@ from dualpath.core.blocks import (
     block_key,
     block_keys,
     full_blocks,
+    hit_blocks,
     longest_prefix,
+    max_hit_blocks,
 )
 from dualpath.core.errors import SpecError
 
@@ -44,3 +46,18 @@ def test_hits_and_prefix_walk() -> None:
 def test_bad_block_size() -> None:
     with pytest.raises(SpecError, match="block_size"):
         block_keys([1, 2, 3], 0)
+
+
+def test_the_hit_rule_leaves_the_last_token_to_compute() -> None:
+    assert [max_hit_blocks(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
+    tokens = list(range(12))  # an exact multiple: 3 full blocks, 2 may hit
+    keys = block_keys(tokens, 4)
+    every = set(keys).__contains__
+    assert hit_blocks(keys, len(tokens), every, 4) == 2
+    assert hit_blocks(keys, len(tokens) + 1, every, 4) == 3
+    assert hit_blocks(keys, len(tokens), set(keys[1:]).__contains__, 4) == 0
+    # Blocks below `first` are the caller's own (vLLM's prefix cache): the run goes on from it.
+    assert hit_blocks(keys, len(tokens) + 1, set(keys[1:]).__contains__, 4, first=1) == 3
+    assert hit_blocks(keys, len(tokens) + 1, set().__contains__, 4, first=2) == 2
+    with pytest.raises(ValueError, match="2 block keys"):
+        hit_blocks(keys[:2], len(tokens) + 1, every, 4)

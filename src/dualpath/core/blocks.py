@@ -1,4 +1,5 @@
-"""Prefix-chained block keys: `key_i = H(key_{i-1}, tokens of block i)`.
+"""Prefix-chained block keys: `key_i = H(key_{i-1}, tokens of block i)`, and the stored-prefix
+hit rule every real world applies (the runtime's driver, the vLLM router and connector).
 
 A block covers `block_size` tokens. Only full blocks get keys (a trailing partial block is not
 stored), so the longest cached prefix of a prompt is a walk over its keys.
@@ -52,5 +53,31 @@ def longest_prefix(keys: Iterable[bytes], is_stored: Callable[[bytes], bool]) ->
     for key in keys:
         if not is_stored(key):
             break
+        n += 1
+    return n
+
+
+def max_hit_blocks(num_prompt_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The most full blocks a prompt may take from storage: its last token is always computed
+    (the prefill samples the first output token from its logits)."""
+    return max(num_prompt_tokens - 1, 0) // block_size
+
+
+def hit_blocks(
+    keys: Sequence[bytes],
+    num_prompt_tokens: int,
+    is_stored: Callable[[bytes], bool],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    first: int = 0,
+) -> int:
+    """A prompt's hit in blocks: blocks `[0, n)` are taken from storage (or, below `first`, the
+    caller has them already, as vLLM's own prefix cache does), `n` the end of the run of
+    stored keys from `first` on, at most `max_hit_blocks`. `keys` are the prompt's block keys
+    (`block_keys`, from any parent), at least `max_hit_blocks` of them."""
+    limit = max_hit_blocks(num_prompt_tokens, block_size)
+    if len(keys) < limit:
+        raise ValueError(f"{len(keys)} block keys for a prompt that may hit {limit} blocks")
+    n = first
+    while n < limit and is_stored(keys[n]):
         n += 1
     return n

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from dualpath.core.blocks import block_keys
+from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
@@ -264,11 +264,12 @@ class Cluster:
         `TurnDone` (and, if streaming, `TurnTokens`) come from `next_message`.
 
         The hit is the longest stored prefix of whole blocks, short of the last token (whose
-        logits the prefill must compute). `sampling.seed` None: one derived from the run's
-        seed and the request id. SpecError names a field that could never be served (more
-        tokens than a DE's memory or the model's positions: the request would wait forever;
-        a token id outside the vocabulary). A prompt longer than `max_prompt_tokens` fails its
-        node (`BufferFullError`); a server checks it first.
+        logits the prefill must compute): `core.blocks.hit_blocks`, as the vLLM router's.
+        `sampling.seed` None: one derived from the run's seed and the request id. SpecError
+        names a field that could never be served (more tokens than a DE's memory or the
+        model's positions: the request would wait forever; a token id outside the vocabulary).
+        A prompt longer than `max_prompt_tokens` fails its node (`BufferFullError`); a server
+        checks it first.
         """
         cfg = self.cfg
         if not prompt:
@@ -290,7 +291,7 @@ class Cluster:
         keys = block_keys(prompt, bs)
         num_hit = 0
         if cfg.is_cache_enabled:
-            num_hit = min(self._store.longest_prefix(keys), (len(prompt) - 1) // bs)
+            num_hit = hit_blocks(keys, len(prompt), self._store.contains, bs)
         with self._lock:
             rid = next(self._request_ids)
         if sampling.seed is None:

@@ -3,8 +3,8 @@
 Every connector writes `root/vllm/<namespace hex>.json` when it opens the store: the key
 namespace it chains block keys from, the block size and the Full Block bytes, and the model it
 serves. The router (`dualpath route`) reads it to count a prompt's stored prefix exactly as the
-connectors will (same keys, same store), without importing vllm. The block store ignores the
-folder (its blocks are `root/<kk>/<key>.blk`).
+connectors will (same keys, same store, the one rule `core.blocks.hit_blocks`), without
+importing vllm. The block store ignores the folder (its blocks are `root/<kk>/<key>.blk`).
 
 Also here: `kv_transfer_params`, the fields the router and the connectors exchange through
 vLLM's per-request `kv_transfer_params` (one dict under the key "dualpath").
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dualpath.core.blocks import block_key
+from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.datafile import write_text_atomic
 from dualpath.core.errors import SpecError
 
@@ -40,6 +40,12 @@ class StoreManifest:
     @property
     def namespace_bytes(self) -> bytes:
         return bytes.fromhex(self.namespace)
+
+    def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool]) -> int:
+        """A prompt's stored prefix in whole blocks, as the connectors find it: the one rule,
+        `core.blocks.hit_blocks`, over keys chained from this namespace."""
+        keys = block_keys(tokens, self.block_size, self.namespace_bytes)
+        return hit_blocks(keys, len(tokens), is_stored, self.block_size)
 
     def write(self, store_root: Path | str) -> Path:
         """Write (atomically) `root/vllm/<namespace>.json`; the same content twice is a no-op."""
@@ -77,31 +83,6 @@ def find_manifest(store_root: Path | str, model: str | None = None) -> StoreMani
             f"{len(found)} models use it: " + ", ".join(sorted(m.model for m in found)))
         raise SpecError("store", str(store_root), model or "", f"no single manifest: {what}")
     return found[0]
-
-
-def prefix_keys(namespace: bytes, tokens: Sequence[int], block_size: int,
-                num_blocks: int) -> list[bytes]:
-    """The block keys of the first `num_blocks` full blocks of `tokens`."""
-    keys: list[bytes] = []
-    parent = namespace
-    for i in range(num_blocks):
-        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
-        keys.append(parent)
-    return keys
-
-
-def stored_prefix_blocks(keys: Sequence[bytes], is_stored: Callable[[bytes], bool],
-                         start: int = 0) -> int:
-    """How many consecutive keys from `start` on are stored."""
-    n = 0
-    while start + n < len(keys) and is_stored(keys[start + n]):
-        n += 1
-    return n
-
-
-def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """Full blocks a prompt may load: at least one prompt token is always computed."""
-    return max(num_prompt_tokens - 1, 0) // block_size
 
 
 @dataclass(frozen=True)

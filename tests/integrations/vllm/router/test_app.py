@@ -17,8 +17,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest, prefix_keys
+from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.app import (
     Router,
     RouterConfig,
@@ -140,7 +141,7 @@ def store(tmp_path: Path) -> tuple[Path, StoreManifest]:
                              full_block_bytes=BLOCK_BYTES)
     manifest.write(tmp_path)
     blocks = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
-    for key in prefix_keys(manifest.namespace_bytes, tokens_of(PROMPT), BS, STORED):
+    for key in block_keys(tokens_of(PROMPT), BS, manifest.namespace_bytes)[:STORED]:
         blocks.put(key, bytes(BLOCK_BYTES))
     return tmp_path, manifest
 

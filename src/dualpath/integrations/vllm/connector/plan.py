@@ -23,25 +23,29 @@ Roles (`Planner.role`): `both` (one instance: the store is the only source and s
 A request without `RouteParams` runs as on one instance (store hits, saves).
 
 Hits: `match` reports the stored blocks that follow the locally computed ones (vLLM's own
-prefix cache), capped so that at least one prompt token is computed (vLLM needs a token to
-sample from). Saves: every block that this step completes (its last token's KV is computed
-in this step) is planned once; when vLLM moves a request's computed tokens back (a block that
-failed to load is recomputed, a preempted request restarts), the planned-save mark moves back
-with it, so recomputed blocks are saved again (the worker skips those already stored).
+prefix cache), by the one rule of `core.blocks.hit_blocks` (keyed full blocks, at least one
+prompt token computed: vLLM needs a token to sample from), the rule the router counts by.
+Saves: every block that this step completes (its last token's KV is computed in this step) is
+planned once; when vLLM moves a request's computed tokens back (a block that failed to load is
+recomputed, a preempted request restarts), the planned-save mark moves back with it, so
+recomputed blocks are saved again (the worker skips those already stored).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dualpath.core.blocks import KEY_BYTES, block_key
+from dualpath.core.blocks import KEY_BYTES, block_key, hit_blocks, max_hit_blocks
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.manifest import RouteParams
 
 ROLES = ("both", "prefill", "decode")
+
+log = logging.getLogger(__name__)
 
 
 def namespace_key(*parts: object) -> bytes:
@@ -208,6 +212,13 @@ class Planner:
         self._requests[req_id] = _Request(
             tokens=tokens, route=route if self.role != "both" else None,
             num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
+        limit = max_hit_blocks(len(tokens), self.block_size)
+        if self.role == "prefill" and route is not None and route.hit_blocks > limit:
+            # The router counts by the same rule over the same tokens, so this is a router
+            # that disagrees on either; `match` offers no more than the rule allows.
+            log.warning("DualPathConnector: request %s: the router's hit_blocks=%d exceeds the "
+                        "%d blocks a prompt of %d tokens may hit (core.blocks.hit_blocks)",
+                        req_id, route.hit_blocks, limit, len(tokens))
 
     def finished_params(self, req_id: str) -> dict[str, object] | None:
         """Prefill: the `kv_transfer_params` the router hands to the decode instance (None
@@ -236,7 +247,7 @@ class Planner:
         """
         req = self._requests[req_id]
         bs = self.block_size
-        limit = max(len(req.tokens) - 1, 0) // bs  # leave one token to compute
+        limit = max_hit_blocks(len(req.tokens), bs)
         local = num_computed_tokens // bs
         route = req.route
         if self.role == "decode" and route is not None and route.tokens == len(req.tokens):
@@ -245,16 +256,15 @@ class Planner:
             self._matches[req_id] = _Match(num_computed_tokens, hit, is_xfer=True)
             return hit
         if self.role == "prefill" and route is not None:
-            # The router counted the hits; a block that vanished since is a load error. Asked
-            # again after a background load was issued, that load failed (or the request was
-            # preempted): no hit is offered twice, the rest is recomputed.
-            n = 0 if req.load_issued else max(min(route.hit_blocks, limit) - local, 0)
+            # The router counted the hits by the same rule (checked in `add_request`); a
+            # block that vanished since is a load error. Asked again after a background load
+            # was issued, that load failed (or the request was preempted): no hit is offered
+            # twice, the rest is recomputed.
+            end = local if req.load_issued else max(min(route.hit_blocks, limit), local)
         else:
-            keys = self._keys(req, limit)
-            n = 0
-            while local + n < limit and self._is_stored(keys[local + n]):
-                n += 1
-        hit = max((local + n) * bs - num_computed_tokens, 0)
+            end = hit_blocks(self._keys(req, limit), len(req.tokens), self._is_stored, bs,
+                             first=local)
+        hit = max(end * bs - num_computed_tokens, 0)
         self._matches[req_id] = _Match(num_computed_tokens, hit)
         return hit
 

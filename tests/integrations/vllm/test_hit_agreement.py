@@ -1,0 +1,80 @@
+"""The router and the connectors count a prompt's stored prefix alike: the router's
+`StoreManifest.hit_blocks`, the single-instance and the prefill connector's `Planner.match`,
+all through `core.blocks.hit_blocks`, over the same keys in a real BlockStore."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import pytest
+
+from dualpath.core.blocks import block_keys
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
+from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+
+BLOCK_BYTES = 8
+
+
+def expected_hit(num_tokens: int, block_size: int, stored: set[int]) -> int:
+    """The rule written out: leading stored full blocks, never the last prompt token."""
+    n = 0
+    while n in stored and (n + 1) * block_size <= num_tokens - 1:
+        n += 1
+    return n
+
+
+def lengths(bs: int) -> list[int]:
+    """Prompt lengths around the block edges: an exact multiple of the block size among them."""
+    return sorted({1, max(bs - 1, 1), bs, bs + 1, 3 * bs, 3 * bs + 1, 5 * bs - 1})
+
+
+def stored_sets(num_full: int) -> list[set[int]]:
+    """Blocks stored: none, the first only, all but the last, every one, and a gap."""
+    full = set(range(num_full))
+    return [set(), {0} & full, set(range(max(num_full - 1, 0))), full, full - {1}]
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_router_and_connectors_agree_on_every_prompt(tmp_path: Path, bs: int) -> None:
+    ns = namespace_key("agree", bs)
+    manifest = StoreManifest(namespace=ns.hex(), model="m", block_size=bs,
+                             full_block_bytes=BLOCK_BYTES)
+    rid = itertools.count()
+    checked = 0
+    for num_tokens in lengths(bs):
+        tokens = [(7 * i + num_tokens) % 50_000 for i in range(num_tokens)]
+        keys = block_keys(tokens, bs, ns)
+        for stored in stored_sets(len(keys)):
+            store = BlockStore(tmp_path / f"s{next(rid)}", BLOCK_BYTES, is_durable=False)
+            for i in sorted(stored):
+                store.put(keys[i], bytes(BLOCK_BYTES))
+            want = expected_hit(num_tokens, bs, stored)
+            router = manifest.hit_blocks(tokens, store.contains)
+
+            single = Planner(bs, ns, store.contains)
+            single.add_request("r", tokens)
+            prefill = Planner(bs, ns, store.contains, role="prefill")
+            prefill.add_request("r", tokens, RouteParams(xfer="x", de="d:1",
+                                                         hit_blocks=router, pe_blocks=router))
+            where = f"bs={bs} tokens={num_tokens} stored={sorted(stored)}"
+            assert router == want, where
+            assert single.match("r", 0) == want * bs, where
+            assert prefill.match("r", 0) == want * bs, where
+            checked += 1
+    assert checked == len(lengths(bs)) * 5
+
+
+def test_a_router_count_above_the_rule_is_named_and_not_offered(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    bs = 4
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    planner = Planner(bs, namespace_key("agree", bs), store.contains, role="prefill")
+    tokens = list(range(3 * bs))  # 3 full blocks, 2 may hit
+    with caplog.at_level(logging.WARNING):
+        planner.add_request("r", tokens, RouteParams(xfer="x", de="d:1", hit_blocks=3,
+                                                     pe_blocks=3))
+    assert "hit_blocks=3 exceeds the 2 blocks" in caplog.text
+    assert planner.match("r", 0) == 2 * bs
