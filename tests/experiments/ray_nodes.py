@@ -64,25 +64,22 @@ class RayNode:
             time.sleep(0.1)
         return node
 
-    def pids(self) -> list[int]:
-        """Its processes: every process of its network namespace, else its process group."""
-        if self.netns:
-            out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True,
-                                 text=True, check=False).stdout
-            return [int(p) for p in out.split()]
-        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True,
-                             check=False).stdout
-        return [int(p) for p in out.split()]
-
     def kill(self) -> None:
-        """SIGKILL to all its processes at once (a node that dies, not one that leaves)."""
-        for _ in range(3):
-            pids = self.pids()
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)
+        """SIGKILL to all its processes at once (a node that dies, not one that leaves): every
+        process of its network namespace, else of its process group."""
+        kill_all(self.netns, self.proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def kill_all(netns: str, pgid: int = 0) -> None:
+    """SIGKILL every process of network namespace `netns` (else of process group `pgid`)."""
+    cmd = ["ip", "netns", "pids", netns] if netns else ["pgrep", "-g", str(pgid)]
+    for _ in range(3):
+        pids = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.split()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,7 @@ def ray_head() -> Iterator[str]:
             yield f"127.0.0.1:{port}"
         finally:
             node.kill()
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
