@@ -4,13 +4,15 @@
               thread that routes its results to concurrent requests (`Generation`).
 - `protocol`  the request schemas (pydantic) and their translation into runtime requests.
 - `metrics`   `/metrics` in Prometheus text format (vLLM's names and DualPath's own).
-- `api`       the FastAPI app (routes, OpenAI response and stream objects) and the uvicorn
-              server.
+- `api`       the FastAPI app (routes, OpenAI response and stream objects) on the
+              `dualpath.http` server (API key, body limits, timeouts).
 """
 
-from dualpath.serve.api import ApiServer, ServerConfig, make_app, make_server
+from dualpath.http.api_error import ApiError
+from dualpath.http.server import ServerConfig
+from dualpath.serve.api import ApiServer, make_app, make_server
 from dualpath.serve.engine import GenerateRequest, ServeError, ServingEngine
-from dualpath.serve.protocol import ApiError, parse_request
+from dualpath.serve.protocol import parse_request
 
 __all__ = ["ApiError", "ApiServer", "GenerateRequest", "ServeError", "ServerConfig",
            "ServingEngine", "make_app", "make_server", "parse_request"]

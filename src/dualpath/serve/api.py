@@ -9,7 +9,8 @@
 
 Requests are the pydantic schemas of `protocol`; every error has OpenAI's shape
 (`{"error": {"message", "type", "param", "code"}}`): 400 naming the field, 401 without the API
-key, 404, 405, 413 for a body over `MAX_BODY_BYTES`, 503 while the cluster cannot serve.
+key, 404, 405, 408 / 413 for a body too slow or too large, 503 while the cluster cannot
+serve (the key, the body's limits and the timeouts are `dualpath.http`'s, as the router's).
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose KV the cluster read
 from storage. A stop string ends the reply and cancels the request there (the cluster ends it
 at its next decode step), as does a streaming client that disconnects.
@@ -25,78 +26,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
-import logging
-import socket
-import threading
 import time
 import uuid
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    MutableMapping,
-    Sequence,
-)
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from importlib.metadata import version
 from typing import Any
 
-import h11
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dualpath.core.errors import SpecError
+from dualpath.http.api_error import ApiError, add_error_handlers, bad_request, server_error
+from dualpath.http.exposition import metrics_response
+from dualpath.http.server import HttpServer, ServerConfig
 from dualpath.runtime.model.sampling import TokenLogprobs
 from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from dualpath.serve.engine import Finished, Generation, ServeError, ServingEngine
-from dualpath.serve.metrics import CONTENT_TYPE, ServeMetrics, storage_counters
+from dualpath.serve.metrics import ServeMetrics, storage_counters
 from dualpath.serve.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     Limits,
     ParsedRequest,
     TokenizeRequest,
-    bad_request,
     check_model,
     finite,
     to_runtime,
     validation_error,
 )
 
-MAX_BODY_BYTES = 16 * 2**20
 VERSION = version("dualpath")
-OPEN_PATHS = ("/health", "/version", "/metrics", "/docs", "/openapi.json")
-"""Paths served without the API key (as vLLM's)."""
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the HTTP server treats connections and callers."""
-
-    api_key: str | None = None
-    """Callers must send `Authorization: Bearer <api_key>`; None: no key."""
-    backlog: int = 2048
-    """Connections the kernel queues before they are accepted."""
-    keep_alive_s: float = 5.0
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    is_logging: bool = True
 
 
 # -- text -------------------------------------------------------------------------------------
@@ -365,110 +329,31 @@ async def stream_events(engine: ServingEngine, req: ParsedRequest,
 
 
 # -- the app ----------------------------------------------------------------------------------
-def _error(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
 def _serve_error(err: ServeError) -> ApiError:
-    return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), kind="server_error")
+    return server_error(HTTPStatus.SERVICE_UNAVAILABLE, str(err))
 
 
-def _guarded(app: AsgiApp, config: ServerConfig) -> AsgiApp:
-    """The API key, the body size limit and the body timeout, before FastAPI sees a request."""
-    key = config.api_key.encode() if config.api_key else None
-
-    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        headers = dict(scope.get("headers") or ())
-
-        async def refuse(err: ApiError, extra: dict[str, str] | None = None) -> None:
-            await _error(err, {"Connection": "close", **(extra or {})})(scope, receive, send)
-
-        path = str(scope.get("path", ""))
-        if key is not None and not path.startswith(OPEN_PATHS):
-            auth = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(auth, b"Bearer " + key):
-                return await refuse(ApiError(HTTPStatus.UNAUTHORIZED, "a valid API key is "
-                                             "needed: Authorization: Bearer <key>",
-                                             code="invalid_api_key"),
-                                    {"WWW-Authenticate": "Bearer"})
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            status = HTTPStatus.BAD_REQUEST if not length.isdigit() \
-                else HTTPStatus.REQUEST_ENTITY_TOO_LARGE
-            return await refuse(ApiError(status, f"Content-Length {length.decode()[:40]}: at "
-                                         f"most {MAX_BODY_BYTES} bytes are read"))
-        deadline = time.monotonic() + config.body_timeout_s
-        num_read = 0
-        is_body_done = False
-
-        async def limited() -> Message:
-            nonlocal num_read, is_body_done
-            if is_body_done:  # from here on only disconnects: no deadline
-                return await receive()
-            try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise HTTPException(HTTPStatus.REQUEST_TIMEOUT, "the request body did not "
-                                    f"arrive within {config.body_timeout_s:g} s") from None
-            if msg["type"] == "http.request":
-                num_read += len(msg.get("body", b""))
-                if num_read > MAX_BODY_BYTES:
-                    raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                        f"request body over {MAX_BODY_BYTES} bytes")
-                is_body_done = not msg.get("more_body", False)
-            return msg
-
-        try:
-            await app(scope, limited, send)
-        except asyncio.CancelledError:
-            # uvicorn cancels what still runs after a graceful shutdown's grace period:
-            # ending here keeps its "Exception in ASGI application" traceback off stderr.
-            return None
-        return None
-
-    return guarded
-
-
-def make_app(engine: ServingEngine, config: ServerConfig | None = None) -> AsgiApp:
-    """The ASGI app over `engine`."""
-    config = config or ServerConfig()
+def make_app(engine: ServingEngine) -> FastAPI:
+    """The FastAPI app over `engine` (unguarded: `HttpServer` adds the API key, the body
+    limit and the timeouts)."""
     api = FastAPI(title="dualpath", version=VERSION, docs_url="/docs", redoc_url=None)
     limits = Limits(engine.model_name, engine.max_sequence_tokens, engine.max_prompt_tokens)
     metrics = ServeMetrics(engine)
     api.state.metrics = metrics
 
-    @api.exception_handler(ApiError)
-    async def on_api_error(_r: Request, err: ApiError) -> JSONResponse:
-        return _error(err)
+    add_error_handlers(api)
 
     @api.exception_handler(RequestValidationError)
     async def on_invalid(_r: Request, err: RequestValidationError) -> JSONResponse:
-        return _error(validation_error(err.errors()))
-
-    @api.exception_handler(HTTPException)
-    async def on_http(r: Request, err: HTTPException) -> JSONResponse:
-        status = err.status_code
-        message = str(err.detail)
-        if status == HTTPStatus.NOT_FOUND and message == "Not Found":
-            message = f"no route {r.method} {r.url.path}"
-        elif status == HTTPStatus.METHOD_NOT_ALLOWED:
-            message = f"{r.method} is not allowed on {r.url.path}"
-        elif status == HTTPStatus.BAD_REQUEST:
-            message = f"invalid JSON body: {message}"
-        headers = dict(err.headers or {})
-        if status >= 400 and status != HTTPStatus.METHOD_NOT_ALLOWED:
-            headers.setdefault("Connection", "close")  # an unread body must not be parsed
-        return _error(ApiError(status, message), headers)
+        return validation_error(err.errors()).response()
 
     @api.exception_handler(SpecError)
     async def on_spec(_r: Request, err: SpecError) -> JSONResponse:  # the cluster refused
-        return _error(bad_request(err.field, str(err)))
+        return bad_request(err.field, str(err)).response()
 
     @api.exception_handler(ServeError)
     async def on_serve(_r: Request, err: ServeError) -> JSONResponse:
-        return _error(_serve_error(err))
+        return _serve_error(err).response()
 
     @api.get("/health")
     async def health() -> JSONResponse:
@@ -511,7 +396,7 @@ def make_app(engine: ServingEngine, config: ServerConfig | None = None) -> AsgiA
 
     @api.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return metrics_response(metrics.registry)
 
     async def generate(req: ParsedRequest) -> Response:
         if not req.is_client_streaming:
@@ -572,126 +457,25 @@ def make_app(engine: ServingEngine, config: ServerConfig | None = None) -> AsgiA
                               f"[0, {engine.tokenizer.vocab_size})")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    return _guarded(api, config)
+    return api
 
 
 # -- the server -------------------------------------------------------------------------------
-class _TimedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, plus a deadline for a request's head: a client that
-    connects (or finishes a response) and then sends its headers slowly, or nothing, is cut
-    at `head_timeout_s` (uvicorn alone waits for it forever)."""
-
-    head_timeout_s = 10.0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._arm_head_timer()
-
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
-
-    def _on_head_timeout(self) -> None:
-        self._head_timer = None
-        if (self.cycle is None or self.cycle.response_complete) \
-                and not self.transport.is_closing():
-            self.transport.close()
-
-    def handle_events(self) -> None:
-        before = self.cycle
-        super().handle_events()
-        if self.cycle is not before and self._head_timer is not None:
-            self._head_timer.cancel()  # a whole head arrived
-            self._head_timer = None
-
-    def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse (a bad Content-Length, a broken head): OpenAI's error
-        shape too, not uvicorn's plain text."""
-        body = json.dumps(bad_request(None, f"invalid HTTP request: {msg}").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", str(len(body)).encode())]
-        with contextlib.suppress(h11.LocalProtocolError):
-            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
-                                                             reason=b"Bad Request")))
-            self.transport.write(self.conn.send(h11.Data(data=body)))
-            self.transport.write(self.conn.send(h11.EndOfMessage()))
-        self.transport.close()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        # The caller owns the signals: `dualpath serve` stops the engine before the nodes'
-        # deaths (same Ctrl-C) can look like faults.
-        yield
-
-
-class ApiServer:
-    """The API on a bound socket; `serve_forever` runs uvicorn until `shutdown`."""
+class ApiServer(HttpServer):
+    """The API over `engine` on a bound socket; `serve_forever` runs it until `shutdown`."""
 
     def __init__(self, engine: ServingEngine, host: str, port: int,
                  config: ServerConfig) -> None:
         self.engine = engine
-        self.config = config
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, port))
-            self.socket.listen(config.backlog)
-        except OSError:
-            self.socket.close()
-            raise
-        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
-        self.app = make_app(engine, config)
-        protocol = type("TimedH11", (_TimedH11,), {"head_timeout_s": config.head_timeout_s})
-        self._uvicorn = _Server(uvicorn.Config(
-            self.app, http=protocol, backlog=config.backlog, lifespan="off",
-            timeout_keep_alive=max(1, round(config.keep_alive_s)),
-            log_level="info" if config.is_logging else "warning",
-            access_log=config.is_logging, timeout_graceful_shutdown=5,
-        ))
-        self._stopped = threading.Event()
-
-    def serve_forever(self) -> None:
-        try:
-            self._uvicorn.run(sockets=[self.socket])
-        finally:
-            self._stopped.set()
-
-    def stop(self) -> None:
-        """Ask `serve_forever` to return (safe in a signal handler)."""
-        self._uvicorn.should_exit = True
-
-    def shutdown(self) -> None:
-        """Stop and wait for `serve_forever` to return."""
-        self.stop()
-        self._stopped.wait(30)
-
-    def server_close(self) -> None:
-        self.socket.close()
+        super().__init__(make_app(engine), host, port, config)
 
 
 def make_server(engine: ServingEngine, host: str = "127.0.0.1", port: int = 8000,
                 is_logging: bool = True, api_key: str | None = None,
                 config: ServerConfig | None = None) -> ApiServer:
-    """A bound server (port 0: any free port, see `server_address`); call `serve_forever`."""
+    """A bound server (port 0: any free port, see `server_address`); call `serve_forever`.
+    `is_logging` False: warnings only (`config.log_level`); `api_key` overrides the config's."""
     base = config or ServerConfig()
-    cfg = ServerConfig(api_key=api_key if api_key is not None else base.api_key,
-                       backlog=base.backlog, keep_alive_s=base.keep_alive_s,
-                       head_timeout_s=base.head_timeout_s, body_timeout_s=base.body_timeout_s,
-                       is_logging=is_logging)
-    logging.getLogger("uvicorn.error").propagate = False
+    cfg = replace(base, api_key=api_key if api_key is not None else base.api_key,
+                  log_level=base.log_level if is_logging else "warning")
     return ApiServer(engine, host, port, cfg)

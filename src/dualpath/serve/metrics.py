@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dualpath.http.exposition import counter, family, gauge
 from dualpath.runtime.messages import NodeStats
 from dualpath.serve.engine import Finished, ServingEngine
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -95,9 +95,6 @@ class ServeMetrics:
             for _ in range(n - 1):
                 itl.observe(gap)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
     def utilization(self, node: dict[str, Any]) -> float:
         """Busy fraction of a node's storage-NIC read port between its last two reports."""
         n, busy, at = node["node"], node["storage_read_busy_s"], node["taken_at"]
@@ -115,63 +112,43 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
-        eng, model = m.engine, [m.engine.model_name]
+        eng = m.engine
+        model = eng.model_name
         s = eng.stats
         waiting, running = eng.num_in_flight()
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(model, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(model, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests decoding.", running)
-        yield gauge("vllm:num_requests_waiting", "Requests with no token out yet.", waiting)
-        yield counter("vllm:prompt_tokens", "Prompt tokens.", s.num_prompt_tokens)
-        yield counter("vllm:generation_tokens", "Generated tokens.", s.num_generated_tokens)
-        yield counter("vllm:request_success", "Finished requests.", s.num_finished)
+        yield gauge("vllm:num_requests_running", "Requests decoding.", model, running)
+        yield gauge("vllm:num_requests_waiting", "Requests with no token out yet.", model,
+                    waiting)
+        yield counter("vllm:prompt_tokens", "Prompt tokens.", model, s.num_prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.", model,
+                      s.num_generated_tokens)
+        yield counter("vllm:request_success", "Finished requests.", model, s.num_finished)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV store.",
-                      s.num_prompt_tokens)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the KV store.",
+                      model, s.num_prompt_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the KV store.", model,
                       s.num_cached_tokens)
         yield counter("dualpath:storage_tokens", "Prompt tokens whose KV was read from storage.",
-                      s.num_cached_tokens)
-        yield counter("dualpath:cluster_restarts", "Cluster restarts after a failure.",
+                      model, s.num_cached_tokens)
+        yield counter("dualpath:cluster_restarts", "Cluster restarts after a failure.", model,
                       eng.num_restarts)
         yield counter("dualpath:unpersisted_blocks",
                       "KV blocks that could not be persisted (full disk, read-only store); "
-                      "each is a later cache miss.", eng.num_unpersisted_blocks)
+                      "each is a later cache miss.", model, eng.num_unpersisted_blocks)
         storage = storage_counters(eng)
-        by_path = CounterMetricFamily("dualpath:storage_read_bytes",
-                                      "KV bytes read from storage, per read path.",
-                                      labels=["model_name", "path"])
-        for path, b in storage["read_bytes"].items():
-            by_path.add_metric([*model, path], b)
-        yield by_path
-        busy = CounterMetricFamily("dualpath:storage_nic_busy_seconds",
-                                   "Storage-NIC read port busy time (emulated NIC).",
-                                   labels=["model_name", "node", "side"])
-        util = GaugeMetricFamily("dualpath:storage_nic_utilization",
-                                 "Storage-NIC read port busy fraction over the last report.",
-                                 labels=["model_name", "node", "side"])
-        queue = GaugeMetricFamily("dualpath:storage_read_queue_tokens",
-                                  "Tokens queued for storage reads.",
-                                  labels=["model_name", "node", "side"])
-        for node in storage["nodes"]:
-            key = [*model, str(node["node"]), node["side"]]
-            busy.add_metric(key, node["storage_read_busy_s"])
-            util.add_metric(key, m.utilization(node))
-            queue.add_metric(key, node["read_queue_tokens"])
-        yield busy
-        yield util
-        yield queue
-        recomputed = CounterMetricFamily("dualpath:recomputed_blocks",
-                                         "KV blocks found missing or corrupt and recomputed.",
-                                         labels=["model_name", "reason"])
-        for reason, n in storage["recomputed_blocks"].items():
-            recomputed.add_metric([*model, reason], n)
-        yield recomputed
+        yield family(CounterMetricFamily, "dualpath:storage_read_bytes",
+                     "KV bytes read from storage, per read path.", model, ["path"],
+                     [((path,), b) for path, b in storage["read_bytes"].items()])
+        nodes = [((str(n["node"]), n["side"]), n) for n in storage["nodes"]]
+        per_node = ["node", "side"]
+        yield family(CounterMetricFamily, "dualpath:storage_nic_busy_seconds",
+                     "Storage-NIC read port busy time (emulated NIC).", model, per_node,
+                     [(key, n["storage_read_busy_s"]) for key, n in nodes])
+        yield family(GaugeMetricFamily, "dualpath:storage_nic_utilization",
+                     "Storage-NIC read port busy fraction over the last report.", model,
+                     per_node, [(key, m.utilization(n)) for key, n in nodes])
+        yield family(GaugeMetricFamily, "dualpath:storage_read_queue_tokens",
+                     "Tokens queued for storage reads.", model, per_node,
+                     [(key, n["read_queue_tokens"]) for key, n in nodes])
+        yield family(CounterMetricFamily, "dualpath:recomputed_blocks",
+                     "KV blocks found missing or corrupt and recomputed.", model, ["reason"],
+                     [((reason,), n) for reason, n in storage["recomputed_blocks"].items()])

@@ -25,7 +25,8 @@ from pydantic import (
     field_validator,
 )
 
-from dualpath.core.errors import DualPathError, SpecError
+from dualpath.core.errors import SpecError
+from dualpath.http.api_error import ApiError, bad_request
 from dualpath.runtime.model.sampling import MAX_LOGPROBS, SamplingParams
 from dualpath.runtime.model.tokenizer import ChatMessage, Tokenizer, TokenizerError
 from dualpath.serve.engine import GenerateRequest
@@ -40,28 +41,6 @@ MAX_CHOICES = 64
 GREEDY_BELOW = 1e-5
 """A `temperature` below this samples greedily, as dividing logits by a denormal would
 overflow them."""
-
-
-class ApiError(DualPathError):
-    """An HTTP error in OpenAI's shape; `param` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(param: str | None, why: str, code: str | None = None) -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, f"{param}: {why}" if param else why, param,
-                    code=code)
 
 
 def _utf8(text: str) -> str:

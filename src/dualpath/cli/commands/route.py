@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
 
 from dualpath.cli.commands.serve import API_KEY_ENV
 from dualpath.core.errors import SpecError
+from dualpath.http import LOG_LEVELS
 from dualpath.integrations.vllm.router.policy import (
     DEFAULT_BETA_TOKENS,
     DEFAULT_STORAGE_GBPS,
@@ -83,22 +85,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="port (default: %(default)s; 0: any free port, printed at start)")
     h.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
                    help="callers must send 'Authorization: Bearer KEY' (also read from "
-                   f"${API_KEY_ENV}; default: no key). /health and /metrics stay open")
-    h.add_argument("--log-level", default="warning",
-                   choices=("critical", "error", "warning", "info", "debug"),
+                   f"${API_KEY_ENV}; default: no key). /health, /version, /metrics, /docs and "
+                   "/openapi.json stay open")
+    h.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
     p.set_defaults(func=route)
 
 
 def route(args: argparse.Namespace) -> int:
+    from dualpath.http.server import HttpServer, ServerConfig
     from dualpath.integrations.vllm.manifest import find_manifest
-    from dualpath.integrations.vllm.router.app import (
-        Router,
-        RouterConfig,
-        bind,
-        make_app,
-        make_server,
-    )
+    from dualpath.integrations.vllm.router.app import Router, RouterConfig, make_app
     from dualpath.integrations.vllm.router.policy import route_params
 
     if len(args.side) != len(args.decode):
@@ -124,17 +121,26 @@ def route(args: argparse.Namespace) -> int:
         prefill=tuple(u.rstrip("/") for u in args.prefill),
         decode=tuple(u.rstrip("/") for u in args.decode), sides=tuple(args.side),
         store=store, manifest=manifest, params=params, mode=args.mode, is_round_robin=is_rr,
-        model=args.model, api_key=args.api_key or None, queue_timeout_s=args.queue_timeout,
+        model=args.model, queue_timeout_s=args.queue_timeout,
         upstream_timeout_s=args.upstream_timeout, poll_interval_s=args.poll_interval,
         decode_kv_capacity_bytes=None if args.decode_kv_gib is None
         else int(args.decode_kv_gib * 2**30), forced_read_side=args.force_read_side)
-    router = Router(cfg)
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    print(f"dualpath route: http://{host}:{port}/v1, mode {args.mode}, "
+    server = HttpServer(make_app(Router(cfg)), args.host, args.port,
+                        ServerConfig(api_key=args.api_key or None, log_level=args.log_level))
+    print(f"dualpath route: {server.url}/v1, mode {args.mode}, "
           f"{len(cfg.prefill)} prefill + {len(cfg.decode)} decode instances, model "
           f"{manifest.model} (block {manifest.block_size} tokens, alpha "
           f"{params.alpha_tokens:.0f}, beta {params.beta_tokens:.0f} tokens); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    make_server(make_app(router), args.log_level).run(sockets=[sock])
+
+    def interrupt(signum: int, frame: object) -> None:
+        server.stop()
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.serve_forever()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.server_close()
     return 0

@@ -3,7 +3,9 @@ ports) that record what they receive, with a real BlockStore holding real blocks
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,13 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
+from dualpath.http.server import HttpServer, ServerConfig, bind
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.app import (
     Router,
     RouterConfig,
-    bind,
     make_app,
-    make_server,
     parse_vllm_metrics,
 )
 from dualpath.integrations.vllm.router.policy import route_params
@@ -110,21 +111,25 @@ async def _sleep(s: float) -> None:
     await asyncio.sleep(s)
 
 
+ROUTER = ServerConfig(log_level="warning")
+"""The router's server, as `dualpath route` sets it up."""
+INSTANCE = ServerConfig(log_level="warning", max_body_bytes=2**40)
+"""A fake instance's: no body limit, as vLLM's server has none."""
+
+
 @contextmanager
-def served(app: FastAPI) -> Iterator[str]:
+def served(app: FastAPI, config: ServerConfig) -> Iterator[str]:
     """`app` on a free loopback port in a thread; yields its base URL."""
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    server = make_server(app)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    server = HttpServer(app, "127.0.0.1", 0, config)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    wait_until(lambda: server.started)
+    wait_until(lambda: server.is_started)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.url
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(WAIT_S)
-        sock.close()
+        server.server_close()
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
@@ -149,18 +154,20 @@ def store(tmp_path: Path) -> tuple[Path, StoreManifest]:
 @contextmanager
 def cluster(store: tuple[Path, StoreManifest], mode: str = "dualpath",
             decode_url: str | None = None, prefill: FakeVllm | None = None,
+            server: ServerConfig | None = None,
             **cfg: Any) -> Iterator[tuple[httpx2.Client, FakeVllm, FakeVllm]]:
-    """A router over one fake prefill and one fake decode instance; yields a client."""
+    """A router over one fake prefill and one fake decode instance (`server`: how the
+    router's HTTP server is set up); yields a client."""
     root, manifest = store
     prefill = prefill or FakeVllm()
     decode = FakeVllm()
     beta = cfg.pop("beta_tokens", 1e9)
     params, rr = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=beta)
-    with served(prefill.app) as p_url, served(decode.app) as d_url:
+    with served(prefill.app, INSTANCE) as p_url, served(decode.app, INSTANCE) as d_url:
         config = RouterConfig(prefill=(p_url,), decode=(decode_url or d_url,), sides=(SIDE,),
                               store=root, manifest=manifest, params=params, mode=mode,
                               is_round_robin=rr, poll_interval_s=0.02, **cfg)
-        with served(make_app(Router(config))) as url, \
+        with served(make_app(Router(config)), server or ROUTER) as url, \
                 httpx2.Client(base_url=url, timeout=WAIT_S) as client:
             yield client, prefill, decode
 
@@ -311,7 +318,7 @@ def test_bad_bodies_are_400(store: tuple[Path, StoreManifest]) -> None:
 
 
 def test_api_key(store: tuple[Path, StoreManifest]) -> None:
-    with cluster(store, api_key="k") as (client, _, _):
+    with cluster(store, server=ServerConfig(api_key="k", log_level="warning")) as (client, _, _):
         body = {"model": "m", "prompt": PROMPT}
         assert client.post("/v1/completions", json=body).status_code == 401
         ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
@@ -342,3 +349,55 @@ def test_metrics_parser_tolerates_absence() -> None:
     assert parse_vllm_metrics("", 16.0).kv_usage is None
     m = parse_vllm_metrics('vllm:gpu_cache_usage_perc{engine="0"} 0.5\n', 16.0)
     assert m.kv_usage == 0.5 and m.running is None and m.kv_capacity_bytes is None
+
+
+# -- the HTTP floor's protections (dualpath.http), as `dualpath serve` has them ----------------
+BIG_BYTES = 50 * 2**20
+
+
+def test_a_50_mb_body_is_refused_with_413_unread(store: tuple[Path, StoreManifest]) -> None:
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * BIG_BYTES}]}
+    with cluster(store) as (client, prefill, decode):
+        resp = client.post("/v1/chat/completions", json=big)  # Content-Length: 50 MB
+        assert resp.status_code == 413, resp.text[:200]
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+        assert resp.headers["connection"] == "close"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: refused once past the limit
+            yield b'{"model": "m", "prompt": "'
+            for _ in range(BIG_BYTES // 2**20):
+                yield b"x" * 2**20
+            yield b'"}'
+
+        resp = client.post("/v1/completions", content=chunks())
+        assert resp.status_code == 413, resp.text[:200]
+        assert "over" in resp.json()["error"]["message"]
+        assert prefill.received == [] and decode.received == []
+        assert client.post("/v1/completions", json={"model": "m", "prompt": PROMPT}
+                           ).status_code == 200
+
+
+def test_slow_and_idle_clients_are_cut_at_the_timeout(store: tuple[Path, StoreManifest]) -> None:
+    cfg = ServerConfig(head_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=1.0,
+                       log_level="warning")
+    with cluster(store, server=cfg) as (client, prefill, _decode):
+        port = client.base_url.port
+        assert port is not None
+        socks = []
+        for head in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n",  # silent; a slow head
+                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"):
+            s = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+            s.sendall(head)
+            socks.append(s)
+        for s in socks[:2]:
+            assert s.recv(4096) == b""  # closed by the router, not by our timeout
+        assert b"408" in socks[2].recv(4096).split(b"\r\n")[0]  # the body never came
+        for s in socks:
+            s.close()
+        assert prefill.received == []
+        # An idle kept-alive connection is closed after keep_alive_s.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        assert conn.sock is not None and conn.sock.recv(1) == b""
+        conn.close()

@@ -17,58 +17,55 @@ Per request (`/v1/completions`, `/v1/chat/completions`):
    none: the decode instance then recomputes) to the decode instance;
 6. the decode instance's reply back to the client (SSE passed through when streaming).
 
-Errors have OpenAI's shape: 400 for a bad body, 401 without the API key, 502 for an
-instance that is unreachable or fails (5xx), 504 for one that times out (both name the
-instance's URL), 503 when no instance could take the request in time; an instance's own 4xx
-is passed through. Each instance's `/metrics` is polled every `poll_interval_s` for its KV
-cache usage and capacity (the decode instances' free KV memory; absent values are tolerated).
+Errors have OpenAI's shape: 400 for a bad body, 401 without the API key, 408 / 413 for a
+body too slow or too large, 502 for an instance that is unreachable or fails (5xx), 504 for
+one that times out (both name the instance's URL), 503 when no instance could take the
+request in time; an instance's own 4xx is passed through. The API key, the body's limits and
+the connection timeouts are `dualpath.http`'s, the same as `dualpath serve`'s. Each
+instance's `/metrics` is polled every `poll_interval_s` for its KV cache usage and capacity
+(the decode instances' free KV memory; absent values are tolerated).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import json
 import logging
-import socket
 import uuid
 from collections import Counter
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterator,
-    MutableMapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import httpx2
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.http import exposition
+from dualpath.http.api_error import ApiError, add_error_handlers, bad_request, server_error
+from dualpath.integrations.vllm.manifest import (
+    RouteParams,
+    StoreManifest,
+    max_hit_blocks,
+    prefix_keys,
+    stored_prefix_blocks,
+)
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, Route, RoutePolicy
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
 
 log = logging.getLogger("dualpath.route")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OPEN_PATHS = ("/health", "/metrics")
-"""Served without the API key."""
 PREFILL_DROPPED = ("stream_options", "min_tokens", "max_completion_tokens")
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
                         "chat_template_kwargs", "tools", "documents", "add_special_tokens")
@@ -91,7 +88,6 @@ class RouterConfig:
     is_round_robin: bool = False
     model: str | None = None
     """The model name put in a request that names none (default: the instances' choice)."""
-    api_key: str | None = None
     queue_timeout_s: float = 60.0
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -122,27 +118,6 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.model or self.manifest.model
-
-
-class ApiError(Exception):
-    """An error reply in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": self.status}},
-                            status_code=self.status)
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, message, param=param)
 
 
 def parse_vllm_metrics(text: str, kv_bytes_per_token: float) -> InstanceMetrics:
@@ -192,7 +167,7 @@ def _gen_tokens(body: dict[str, Any]) -> int:
         value = body.get(name)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad_request(f"{name} must be a non-negative integer", name)
+                raise bad_request(name, "must be a non-negative integer")
             return int(value)
     return 0
 
@@ -286,9 +261,8 @@ class Router:
             return await asyncio.wait_for(fut, self.cfg.queue_timeout_s)
         except TimeoutError:
             self.num_queue_timeouts += 1
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE,
-                           f"no instance could take the request within "
-                           f"{self.cfg.queue_timeout_s:g} s", kind="server_error") from None
+            raise server_error(HTTPStatus.SERVICE_UNAVAILABLE, "no instance could take the "
+                               f"request within {self.cfg.queue_timeout_s:g} s") from None
         finally:
             self._waiters.pop(rid, None)
 
@@ -310,10 +284,10 @@ class Router:
     def _upstream_error(self, role: Role, url: str, exc: httpx2.HTTPError) -> ApiError:
         self._count_error(role, url)
         if isinstance(exc, httpx2.TimeoutException):
-            return ApiError(HTTPStatus.GATEWAY_TIMEOUT, f"{role.value} instance {url} timed "
-                            f"out: {type(exc).__name__}", kind="server_error")
-        return ApiError(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} unreachable: "
-                        f"{type(exc).__name__}: {exc}", kind="server_error")
+            return server_error(HTTPStatus.GATEWAY_TIMEOUT, f"{role.value} instance {url} "
+                                f"timed out: {type(exc).__name__}")
+        return server_error(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} "
+                            f"unreachable: {type(exc).__name__}: {exc}")
 
     def _check_reply(self, role: Role, url: str, resp: httpx2.Response) -> None:
         """An instance's 4xx goes back to the client as it is; a 5xx is a 502."""
@@ -321,8 +295,8 @@ class Router:
             return
         if resp.status_code >= 500:
             self._count_error(role, url)
-            raise ApiError(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} failed: "
-                           f"HTTP {resp.status_code}: {resp.text[:500]}", kind="server_error")
+            raise server_error(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url} failed: "
+                               f"HTTP {resp.status_code}: {resp.text[:500]}")
         raise _Passthrough(resp)
 
     async def _post(self, role: Role, url: str, body: dict[str, Any]) -> httpx2.Response:
@@ -343,7 +317,7 @@ class Router:
         if is_chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise bad_request("messages must be a non-empty list", "messages")
+                raise bad_request("messages", "must be a non-empty list")
             req["messages"] = messages
             req.update({k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body})
         else:
@@ -353,8 +327,8 @@ class Router:
             if _is_token_ids(prompt) and prompt:
                 return list(prompt)
             if not isinstance(prompt, str) or not prompt:
-                raise bad_request("prompt must be one non-empty string or list of token ids "
-                                  "(the router routes one prompt per request)", "prompt")
+                raise bad_request("prompt", "must be one non-empty string or list of token "
+                                  "ids (the router routes one prompt per request)")
             req["prompt"] = prompt
             if "add_special_tokens" in body:
                 req["add_special_tokens"] = body["add_special_tokens"]
@@ -367,21 +341,24 @@ class Router:
             ids = None
         if not _is_token_ids(ids):
             self._count_error(Role.PREFILL, url)
-            raise ApiError(HTTPStatus.BAD_GATEWAY, f"prefill instance {url}: no token ids in "
-                           f"its reply", kind="server_error")
+            raise server_error(HTTPStatus.BAD_GATEWAY, f"prefill instance {url}: no token ids "
+                               "in its reply")
         return list(ids)
 
     def hit_blocks(self, tokens: Sequence[int]) -> int:
         """The prompt's stored prefix in whole blocks, as the connectors will find it."""
-        return self.cfg.manifest.hit_blocks(tokens, self.store.contains)
+        m = self.cfg.manifest
+        keys = prefix_keys(m.namespace_bytes, tokens, m.block_size,
+                           max_hit_blocks(len(tokens), m.block_size))
+        return stored_prefix_blocks(keys, self.store.contains)
 
     async def handle(self, body: Any, is_chat: bool) -> Response:
         """One completion or chat request, routed (the module docstring's steps)."""
         if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object")
+            raise bad_request(None, "the body must be a JSON object")
         is_stream = body.get("stream", False)
         if not isinstance(is_stream, bool):
-            raise bad_request("stream must be true or false", "stream")
+            raise bad_request("stream", "must be true or false")
         if "model" not in body and self.cfg.model is not None:
             body = {**body, "model": self.cfg.model}
         gen = _gen_tokens(body)
@@ -442,9 +419,7 @@ class Router:
             is_ok = True
         except httpx2.HTTPError as e:
             err = self._upstream_error(Role.DECODE, url, e)
-            payload = {"error": {"message": err.message, "type": err.kind, "param": None,
-                                 "code": err.status}}
-            yield f"data: {json.dumps(payload)}\n\n".encode()
+            yield f"data: {json.dumps(err.body())}\n\n".encode()
         finally:
             await resp.aclose()
             self._release(rid, is_ok)
@@ -493,86 +468,59 @@ class _RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.router.stats()
-        model = [s["model"]]
 
-        def family(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str,
-                   doc: str, labels: Sequence[str],
-                   rows: Sequence[tuple[Sequence[str], float]]) -> Metric:
-            f = kind(f"dualpath_router:{name}", doc, labels=["model_name", *labels])
-            for values, value in rows:
-                f.add_metric([*model, *values], value)
-            return f
+        def one(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str,
+                doc: str, labels: Sequence[str], rows: Sequence[exposition.Row]) -> Metric:
+            return exposition.family(kind, f"dualpath_router:{name}", doc, s["model"], labels,
+                                     rows)
 
-        yield family(CounterMetricFamily, "requests", "Requests placed, per read path "
-                     "(pe, de, split: both sides read, none: no stored prefix).", ["path"],
-                     [((p,), n) for p, n in s["requests_by_path"].items()])
-        yield family(CounterMetricFamily, "hit_blocks", "Stored KV blocks assigned to each "
-                     "read side.", ["side"],
-                     [((k,), n) for k, n in s["hit_blocks_by_side"].items()])
-        yield family(CounterMetricFamily, "hit_bytes", "Stored KV bytes assigned to each read "
-                     "side.", ["side"], [((k,), n) for k, n in s["hit_bytes_by_side"].items()])
-        yield family(CounterMetricFamily, "finished_requests", "Requests answered.", [],
-                     [((), s["finished"])])
-        yield family(CounterMetricFamily, "aborted_requests", "Requests ended by an error, a "
-                     "timeout or a client gone.", [], [((), s["aborted"])])
-        yield family(CounterMetricFamily, "queue_timeouts", "Requests no instance took in "
-                     "time (503).", [], [((), s["queue_timeouts"])])
-        yield family(GaugeMetricFamily, "waiting_requests", "Requests not yet placed.", [],
-                     [((), s["waiting"])])
+        yield one(CounterMetricFamily, "requests", "Requests placed, per read path "
+                  "(pe, de, split: both sides read, none: no stored prefix).", ["path"],
+                  [((p,), n) for p, n in s["requests_by_path"].items()])
+        yield one(CounterMetricFamily, "hit_blocks", "Stored KV blocks assigned to each "
+                  "read side.", ["side"],
+                  [((k,), n) for k, n in s["hit_blocks_by_side"].items()])
+        yield one(CounterMetricFamily, "hit_bytes", "Stored KV bytes assigned to each read "
+                  "side.", ["side"], [((k,), n) for k, n in s["hit_bytes_by_side"].items()])
+        yield one(CounterMetricFamily, "finished_requests", "Requests answered.", [],
+                  [((), s["finished"])])
+        yield one(CounterMetricFamily, "aborted_requests", "Requests ended by an error, a "
+                  "timeout or a client gone.", [], [((), s["aborted"])])
+        yield one(CounterMetricFamily, "queue_timeouts", "Requests no instance took in "
+                  "time (503).", [], [((), s["queue_timeouts"])])
+        yield one(GaugeMetricFamily, "waiting_requests", "Requests not yet placed.", [],
+                  [((), s["waiting"])])
         instances = [(role, inst) for role in ("prefill", "decode") for inst in s[role]]
         labels = ["role", "instance", "node"]
 
-        def rows(key: str) -> list[tuple[Sequence[str], float]]:
+        def rows(key: str) -> list[exposition.Row]:
             return [((role, inst["url"], str(inst["node"])), inst[key])
                     for role, inst in instances if inst.get(key) is not None]
 
-        yield family(GaugeMetricFamily, "read_queue_tokens", "Hit tokens queued on the node's "
-                     "storage NIC (requests whose prefill has not replied).", labels,
-                     rows("read_queue_tokens"))
-        yield family(GaugeMetricFamily, "in_flight_requests", "Requests routed to the "
-                     "instance and not done with it.", labels, rows("in_flight"))
-        yield family(GaugeMetricFamily, "in_flight_tokens", "Prompt tokens of those "
-                     "requests.", labels, rows("in_flight_tokens"))
-        yield family(GaugeMetricFamily, "free_kv_bytes", "A decode instance's KV memory for "
-                     "new requests (when its capacity is known).", labels, rows("free_kv_bytes"))
-        yield family(CounterMetricFamily, "upstream_errors", "Failures of the instance "
-                     "(unreachable, timed out, 5xx).", labels, rows("upstream_errors"))
-
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-class _KeyGuard:
-    """ASGI middleware: `Authorization: Bearer <key>` on every path but `OPEN_PATHS`."""
-
-    def __init__(self, app: AsgiApp, key: str) -> None:
-        self.app = app
-        self.key = b"Bearer " + key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not str(scope.get("path", "")).startswith(OPEN_PATHS):
-            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.key):
-                resp = ApiError(HTTPStatus.UNAUTHORIZED, "a valid API key is needed: "
-                                "Authorization: Bearer <key>").response()
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return await resp(scope, receive, send)
-        await self.app(scope, receive, send)
+        yield one(GaugeMetricFamily, "read_queue_tokens", "Hit tokens queued on the node's "
+                  "storage NIC (requests whose prefill has not replied).", labels,
+                  rows("read_queue_tokens"))
+        yield one(GaugeMetricFamily, "in_flight_requests", "Requests routed to the "
+                  "instance and not done with it.", labels, rows("in_flight"))
+        yield one(GaugeMetricFamily, "in_flight_tokens", "Prompt tokens of those "
+                  "requests.", labels, rows("in_flight_tokens"))
+        yield one(GaugeMetricFamily, "free_kv_bytes", "A decode instance's KV memory for "
+                  "new requests (when its capacity is known).", labels, rows("free_kv_bytes"))
+        yield one(CounterMetricFamily, "upstream_errors", "Failures of the instance "
+                  "(unreachable, timed out, 5xx).", labels, rows("upstream_errors"))
 
 
 async def _body(request: Request) -> Any:
     try:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the body is not JSON: {e}") from e
+        raise bad_request(None, f"the body is not JSON: {e}") from e
 
 
 def make_app(router: Router) -> FastAPI:
-    """The router's FastAPI app (its lifespan starts and stops the router)."""
+    """The router's FastAPI app (its lifespan starts and stops the router); serve it with
+    `dualpath.http.server.HttpServer`, which adds the API key, the body limit and the
+    timeouts."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -585,19 +533,13 @@ def make_app(router: Router) -> FastAPI:
     app = FastAPI(title="dualpath route", lifespan=lifespan)
     registry = CollectorRegistry()
     registry.register(_RouterCollector(router))
-    if router.cfg.api_key:
-        app.add_middleware(_KeyGuard, key=router.cfg.api_key)
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return exc.response()
+    add_error_handlers(app)
 
     async def passthrough(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Passthrough)
         return Response(exc.resp.content, status_code=exc.resp.status_code,
                         media_type=exc.resp.headers.get("content-type", "application/json"))
 
-    app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(_Passthrough, passthrough)
 
     @app.post("/v1/completions")
@@ -622,23 +564,7 @@ def make_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+        return exposition.metrics_response(registry)
 
     return app
 
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: any free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-def make_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for `app`; run it with `server.run(sockets=[bind(host, port)])`."""
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                         timeout_keep_alive=5))
