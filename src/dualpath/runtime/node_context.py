@@ -11,7 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +25,40 @@ from dualpath.runtime.messages import Message, NodeStats
 from dualpath.runtime.model.model_source import ModelSource
 from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager
 from dualpath.runtime.transfer import TransferEngine, make_transfer_engine
+
+
+class Budgets(Protocol):
+    """A node's NIC rates, memory and prefill quota, as `RunConfig` (for every node) and
+    `NodeConfig` (for one) both carry them; `check_budgets` validates them for both."""
+
+    @property
+    def storage_nic_bytes_per_s(self) -> float: ...
+    @property
+    def compute_nic_bytes_per_s(self) -> float: ...
+    @property
+    def buffer_bytes(self) -> int: ...
+    @property
+    def hbm_bytes(self) -> int: ...
+    @property
+    def compute_quota_s(self) -> float: ...
+    @property
+    def max_batch_tokens(self) -> int | None: ...
+    @property
+    def estimator(self) -> str: ...
+
+
+def check_budgets(owner: str, cfg: Budgets) -> None:
+    """SpecError naming `cfg`'s first bad NIC rate, memory size, quota or estimator."""
+    positive(owner, "storage_nic_bytes_per_s", cfg.storage_nic_bytes_per_s)
+    positive(owner, "compute_nic_bytes_per_s", cfg.compute_nic_bytes_per_s)
+    positive_int(owner, "buffer_bytes", cfg.buffer_bytes)
+    positive_int(owner, "hbm_bytes", cfg.hbm_bytes)
+    positive(owner, "compute_quota_s", cfg.compute_quota_s)
+    if cfg.max_batch_tokens is not None:
+        positive_int(owner, "max_batch_tokens", cfg.max_batch_tokens)
+    if cfg.estimator not in ESTIMATORS:
+        raise SpecError(owner, "estimator", cfg.estimator,
+                        f"must be one of {', '.join(ESTIMATORS)}")
 
 
 @dataclass(frozen=True)
@@ -62,18 +96,8 @@ class NodeConfig:
         if self.stats_interval_s is not None:
             positive(owner, "stats_interval_s", self.stats_interval_s)
         positive_int(owner, "num_engines", self.num_engines)
-        positive_int(owner, "buffer_bytes", self.buffer_bytes)
-        positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
-        positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
-        positive_int(owner, "hbm_bytes", self.hbm_bytes)
         positive(owner, "fetch_interval_s", self.fetch_interval_s)
-        positive(owner, "compute_quota_s", self.compute_quota_s)
-        if self.max_batch_tokens is not None:
-            positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
-        if self.estimator not in ESTIMATORS:
-            raise SpecError(
-                owner, "estimator", self.estimator, f"must be one of {', '.join(ESTIMATORS)}"
-            )
+        check_budgets(owner, self)
         if self.buffer_bytes < self.layout.full_block_bytes:
             raise SpecError(
                 owner,

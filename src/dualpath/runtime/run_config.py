@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath.core.errors import SpecError
-from dualpath.core.validate import positive, positive_int
-from dualpath.runtime.estimator import ESTIMATORS
+from dualpath.core.validate import positive_int
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.model.model_source import ModelSource
+from dualpath.runtime.node_context import check_budgets
 from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
-from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.params import PathMode, SchedulerParams, alpha_tokens_of
 from dualpath.sched.types import ReadSide
 
 MODES = tuple(MODE_PRESETS)
@@ -84,15 +84,9 @@ class RunConfig:
             raise SpecError(owner, "read_tie_side", self.read_tie_side, "must be pe or de")
         if self.path_mode not in (None, "pe", "dual", "split", "de"):
             raise SpecError(owner, "path_mode", self.path_mode, "must be pe, dual, split or de")
-        for name in (
-            "num_prefill_nodes",
-            "num_decode_nodes",
-            "engines_per_node",
-            "buffer_bytes",
-            "hbm_bytes",
-            "block_size",
-        ):
+        for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node", "block_size"):
             positive_int(owner, name, getattr(self, name))
+        check_budgets(owner, self)
         for name, value, limit in (
             ("num_prefill_nodes + num_decode_nodes", self.num_nodes, MAX_NODES),
             ("engines_per_node", self.engines_per_node, MAX_ENGINES_PER_NODE),
@@ -101,15 +95,6 @@ class RunConfig:
             if value > limit:
                 raise SpecError(owner, name, value, f"at most {limit} on this one-machine "
                                 "emulated cluster")
-        positive(owner, "storage_nic_bytes_per_s", self.storage_nic_bytes_per_s)
-        positive(owner, "compute_nic_bytes_per_s", self.compute_nic_bytes_per_s)
-        positive(owner, "compute_quota_s", self.compute_quota_s)
-        if self.max_batch_tokens is not None:
-            positive_int(owner, "max_batch_tokens", self.max_batch_tokens)
-        if self.estimator not in ESTIMATORS:
-            raise SpecError(
-                owner, "estimator", self.estimator, f"must be one of {', '.join(ESTIMATORS)}"
-            )
 
     @property
     def switches(self) -> Mode:
@@ -140,7 +125,7 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
     """The paper's parameters for this run (alpha: 3 s of storage-NIC reads)."""
     alpha = cfg.alpha_tokens
     if alpha is None:
-        alpha = cfg.storage_nic_bytes_per_s * 3.0 / layout.kv_bytes_per_token
+        alpha = alpha_tokens_of(cfg.storage_nic_bytes_per_s, layout.kv_bytes_per_token)
         if cfg.is_oracle or alpha == float("inf"):
             alpha = 1e12
     mode = cfg.path_mode or cfg.switches.paths

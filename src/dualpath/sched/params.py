@@ -172,9 +172,17 @@ class SchedulerParams:
         return replace(self, **checked)  # type: ignore[arg-type]
 
 
+def alpha_tokens_of(storage_nic_bytes_per_s: float, kv_bytes_per_token: float,
+                    read_s: float = ALPHA_READ_S) -> float:
+    """The alpha rule (paper A.4): a read queue is short while it holds fewer tokens than one
+    node's storage NIC reads in `read_s` seconds. Every world derives alpha here (the
+    simulator and the runtime from their NIC rates, the vLLM router from `--storage-gbps`)."""
+    return storage_nic_bytes_per_s * read_s / kv_bytes_per_token
+
+
 def derive_alpha_tokens(model: ModelSpec, hw: HardwareSpec, read_s: float = ALPHA_READ_S) -> float:
     """Tokens' worth of KV one node's storage NIC reads in `read_s` seconds."""
-    return hw.storage_nic_bytes_per_s * read_s / model.kv_bytes_per_token
+    return alpha_tokens_of(hw.storage_nic_bytes_per_s, model.kv_bytes_per_token, read_s)
 
 
 def derive_beta_tokens(

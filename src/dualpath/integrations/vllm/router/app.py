@@ -53,13 +53,7 @@ from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.http import exposition
 from dualpath.http.api_error import ApiError, add_error_handlers, bad_request, server_error
-from dualpath.integrations.vllm.manifest import (
-    RouteParams,
-    StoreManifest,
-    max_hit_blocks,
-    prefix_keys,
-    stored_prefix_blocks,
-)
+from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, Route, RoutePolicy
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
@@ -347,10 +341,7 @@ class Router:
 
     def hit_blocks(self, tokens: Sequence[int]) -> int:
         """The prompt's stored prefix in whole blocks, as the connectors will find it."""
-        m = self.cfg.manifest
-        keys = prefix_keys(m.namespace_bytes, tokens, m.block_size,
-                           max_hit_blocks(len(tokens), m.block_size))
-        return stored_prefix_blocks(keys, self.store.contains)
+        return self.cfg.manifest.hit_blocks(tokens, self.store.contains)
 
     async def handle(self, body: Any, is_chat: bool) -> Response:
         """One completion or chat request, routed (the module docstring's steps)."""

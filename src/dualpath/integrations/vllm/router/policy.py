@@ -32,7 +32,7 @@ from typing import Any
 
 from dualpath.core.errors import SpecError
 from dualpath.sched.mode import mode_preset
-from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.params import PathMode, SchedulerParams, alpha_tokens_of
 from dualpath.sched.scheduler import Scheduler
 from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
 
@@ -42,8 +42,6 @@ the shorter read queue reads; `split`: as dualpath, one request's read split acr
 PE_GROUP = 0
 UNLIMITED_HBM_BYTES = 2**62
 """`free_hbm_bytes` of a decode instance whose KV capacity is unknown."""
-ALPHA_READ_S = 3.0
-"""Paper A.4: alpha is the tokens one node's storage NIC reads in 3 s."""
 DEFAULT_STORAGE_GBPS = 100.0
 """The storage NIC rate alpha is derived from unless `--alpha-tokens` is given."""
 DEFAULT_BETA_TOKENS = 262_144
@@ -57,16 +55,16 @@ def route_params(mode: str, block_size: int, kv_bytes_per_token: float,
                  storage_gbps: float = DEFAULT_STORAGE_GBPS) -> tuple[SchedulerParams, bool]:
     """The scheduler parameters of a router mode and whether it schedules round robin.
 
-    alpha defaults to 3 s of `storage_gbps` reads (`runtime.run_config.scheduler_params`'s
-    rule), beta to `DEFAULT_BETA_TOKENS`; the block size and KV bytes per token come from the
+    alpha defaults to the paper's rule, `sched.params.alpha_tokens_of` (3 s of `storage_gbps`
+    reads), beta to `DEFAULT_BETA_TOKENS`; the block size and KV bytes per token come from the
     store's manifest."""
     if mode not in ROUTE_MODES:
         raise SpecError("route", "mode", mode, f"must be one of {', '.join(ROUTE_MODES)}")
     if not storage_gbps > 0:
         raise SpecError("route", "storage_gbps", storage_gbps, "must be > 0")
     switches = mode_preset(mode)
-    alpha = alpha_tokens if alpha_tokens is not None else (
-        storage_gbps * 1e9 / 8 * ALPHA_READ_S / kv_bytes_per_token)
+    alpha = alpha_tokens if alpha_tokens is not None else alpha_tokens_of(
+        storage_gbps * 1e9 / 8, kv_bytes_per_token)
     params = SchedulerParams(alpha_tokens=alpha, beta_tokens=beta_tokens,
                              kv_bytes_per_token=kv_bytes_per_token, block_size_tokens=block_size,
                              path_mode=PathMode(switches.paths))
