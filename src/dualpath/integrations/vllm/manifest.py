@@ -6,13 +6,18 @@ serves. The router (`dualpath route`) reads it to count a prompt's stored prefix
 connectors will (same keys, same store, the one rule `core.blocks.hit_blocks`), without
 importing vllm. The block store ignores the folder (its blocks are `root/<kk>/<key>.blk`).
 
+With tensor or pipeline parallelism a block is one file per worker (`Shard`): the manifest
+records the parallelism, and a block counts as stored when its last shard is.
+
 Also here: `kv_transfer_params`, the fields the router and the connectors exchange through
 vLLM's per-request `kv_transfer_params` (one dict under the key "dualpath").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +33,64 @@ PARAMS_KEY = "dualpath"
 
 
 @dataclass(frozen=True)
+class Shard:
+    """The part of every block's KV that one vLLM worker holds: its tensor-parallel rank's KV
+    heads of its pipeline stage's layers. Each shard is a file of its own in the store, under
+    `key(block key)`, and has its own side channel and transfers in P/D.
+
+    The block keys the scheduler plans with are rank-agnostic (every worker gets the same
+    plan); each worker maps them to its shard's keys. With one shard (TP 1, PP 1) a shard key
+    is the block key itself, so such stores keep their blocks and need no migration."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, rank, size in (("tp_rank", self.tp_rank, self.tp_size),
+                                 ("pp_rank", self.pp_rank, self.pp_size)):
+            if size < 1 or not 0 <= rank < size:
+                raise SpecError("vllm connector", name, rank, f"must be in [0, {size})")
+
+    @classmethod
+    def last(cls, tp_size: int = 1, pp_size: int = 1) -> Shard:
+        """The shard whose presence counts a block as stored (`StoreManifest.stored_key`)."""
+        return cls(tp_size - 1, tp_size, pp_size - 1, pp_size)
+
+    @property
+    def num_shards(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def index(self) -> int:
+        """This shard's place among all of a block's shards (0 .. num_shards - 1)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def key(self, key: bytes) -> bytes:
+        """This shard's store key of the block `key`: H(key, tp rank, tp size, pp rank, pp
+        size), or `key` itself when a block has one shard."""
+        if self.num_shards == 1:
+            return key
+        h = hashlib.blake2b(key, digest_size=len(key), person=b"dualpath-shard")
+        h.update(struct.pack("<4I", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size))
+        return h.digest()
+
+    def xfer(self, xfer: str) -> str:
+        """This shard's name of a P/D transfer: the prefill and decode workers of the same
+        rank use it, so no two ranks ever share staging slots, even on one side channel."""
+        return xfer if self.num_shards == 1 else f"{xfer}#{self.index}/{self.num_shards}"
+
+    def side_channel(self, address: str) -> str:
+        """This shard's decode side channel: the instance's `host:port` with the port offset
+        by `index` (a decode instance's ranks each serve their own staging buffer)."""
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise SpecError("vllm connector", "side_channel", address, "must be host:port")
+        return f"{host}:{int(port) + self.index}"
+
+
+@dataclass(frozen=True)
 class StoreManifest:
     """One connector's key namespace and block format in a store."""
 
@@ -36,16 +99,31 @@ class StoreManifest:
     model: str
     block_size: int
     full_block_bytes: int
+    """One shard's (a TP rank's heads of a PP stage's layers) bytes per block."""
+    tp_size: int = 1
+    pp_size: int = 1
+    """The instances' parallelism: a block is `tp_size * pp_size` shard files (`Shard`)."""
 
     @property
     def namespace_bytes(self) -> bytes:
         return bytes.fromhex(self.namespace)
 
+    def stored_key(self, key: bytes) -> bytes:
+        """The file whose presence counts block `key` as stored: the last shard's
+        (`Shard.last`). Any one shard's file is only a hint that the others exist, and a
+        missing one is a load error (recompute) on its rank, never wrong KV; the last is the
+        better hint under pipeline parallelism, whose last stage computes a block's KV, and
+        so saves it, after the earlier stages have saved theirs in the same step. Checking
+        every shard would cost `tp_size * pp_size` metadata operations per block."""
+        return Shard.last(self.tp_size, self.pp_size).key(key)
+
     def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool]) -> int:
         """A prompt's stored prefix in whole blocks, as the connectors find it: the one rule,
-        `core.blocks.hit_blocks`, over keys chained from this namespace."""
+        `core.blocks.hit_blocks`, over keys chained from this namespace (each block's
+        `stored_key`)."""
         keys = block_keys(tokens, self.block_size, self.namespace_bytes)
-        return hit_blocks(keys, len(tokens), is_stored, self.block_size)
+        return hit_blocks(keys, len(tokens), lambda k: is_stored(self.stored_key(k)),
+                          self.block_size)
 
     def write(self, store_root: Path | str) -> Path:
         """Write (atomically) `root/vllm/<namespace>.json`; the same content twice is a no-op."""
@@ -66,7 +144,9 @@ def read_manifests(store_root: Path | str) -> list[StoreManifest]:
             raw = json.loads(path.read_text(encoding="utf-8"))
             out.append(StoreManifest(namespace=str(raw["namespace"]), model=str(raw["model"]),
                                      block_size=int(raw["block_size"]),
-                                     full_block_bytes=int(raw["full_block_bytes"])))
+                                     full_block_bytes=int(raw["full_block_bytes"]),
+                                     tp_size=int(raw.get("tp_size", 1)),
+                                     pp_size=int(raw.get("pp_size", 1))))
         except (ValueError, KeyError, TypeError) as e:
             raise SpecError(str(path), "manifest", type(e).__name__, f"unreadable: {e}") from e
     return out

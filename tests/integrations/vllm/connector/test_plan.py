@@ -164,3 +164,27 @@ def test_model_identity_names_the_weights_not_the_path(tmp_path: Path) -> None:
     assert model_identity(folder("d", weights, '{"hidden_size": 16}')) != a
     assert model_identity("HuggingFaceTB/SmolLM2-135M-Instruct") == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_with_several_ranks_a_loading_step_saves_nothing_of_its_request(
+        tmp_path: Path) -> None:
+    """TP/PP: a load that failed on one rank corrupts every rank's KV computed in that step,
+    and the others cannot know; so the request's blocks are saved from its next step on."""
+    store = BlockStore(tmp_path, 8, is_durable=False)
+    tokens = list(range(14))  # 3 full blocks
+    store_blocks(store, tokens, 1)
+    plans = []
+    for num_shards in (1, 2):
+        planner = Planner(BS, NS, store.contains, num_shards=num_shards)
+        planner.add_request("r", tokens)
+        assert planner.match("r", 0) == 4
+        planner.after_alloc("r", 4)
+        planner.schedule_new("r", [5, 6, 7, 8], 0, 12)  # block 0 loaded, 1-2 computed
+        first = planner.take_plan()
+        planner.schedule_cached("r", None, is_resumed=False, num_computed_tokens=12,
+                                num_scheduled_tokens=2)
+        plans.append((first, planner.take_plan()))
+    (one, next_one), (two, next_two) = plans
+    assert [s.block_ids for s in one.saves] == [(5, 6, 7)] and next_one.saves == []
+    assert len(two.loads) == 1 and two.saves == []
+    assert [s.block_ids for s in next_two.saves] == [(5, 6, 7)]

@@ -187,7 +187,7 @@ class Planner:
 
     def __init__(self, block_size: int, namespace: bytes,
                  is_stored: Callable[[bytes], bool], role: str = "both",
-                 async_loads: bool = False) -> None:
+                 async_loads: bool = False, num_shards: int = 1) -> None:
         if block_size < 1:
             raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
         if role not in ROLES:
@@ -197,6 +197,8 @@ class Planner:
         """Prefill with the router's orders: load in the background (see `StepPlan`)."""
         self.block_size = block_size
         self.namespace = namespace
+        self.num_shards = num_shards
+        """Workers per instance (tensor x pipeline parallel): each holds a shard of a block."""
         self._is_stored = is_stored
         self._requests: dict[str, _Request] = {}
         self._matches: dict[str, _Match] = {}
@@ -370,6 +372,12 @@ class Planner:
             return
         # Blocks whose every token's KV exists after this step (and whose tokens are known).
         done = min(end // bs, len(req.tokens) // bs, len(req.block_ids))
+        if load is not None and self.num_shards > 1:
+            # A load that fails on one rank only corrupts every rank's KV computed in this
+            # step (attention outputs are summed across ranks), and the other ranks cannot
+            # know. So a loading step saves nothing of the request; the next step that
+            # schedules it saves these blocks, or vLLM has rewound them to recompute.
+            return
         if done > req.num_saved:
             self._plan.saves.append(self._transfer(req_id, req, req.num_saved, done))
             req.num_saved = done
