@@ -40,6 +40,24 @@ def test_put_then_get_into_preallocated_buffer(tmp_path: Path) -> None:
     assert sorted(store.keys()) == sorted(keys)
 
 
+def test_a_scatter_read_fills_several_buffers_in_order_and_is_verified(
+        tmp_path: Path) -> None:
+    """`get_into` with a list of buffers: each layer's page straight into its own place."""
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    key = block_keys(list(range(64)), 64)[0]
+    store.put(key, payload(3))
+    pages = [np.zeros(BLOCK_BYTES // 4, dtype=np.uint8) for _ in range(4)]
+    assert store.get_into(key, [memoryview(p) for p in pages])
+    assert b"".join(p.tobytes() for p in pages) == payload(3)
+    raw = bytearray(store.path_of(key).read_bytes())
+    raw[HEADER_BYTES + 3 * BLOCK_BYTES // 4 + 5] ^= 0x01  # in the last buffer's share
+    store.path_of(key).write_bytes(raw)
+    assert not store.get_into(key, [memoryview(p) for p in pages])
+    assert store.counters.num_corrupt == 1
+    with pytest.raises(StoreError, match="writable buffers of 4096 bytes, got 3072"):
+        store.get_into(key, [memoryview(p) for p in pages[:3]])
+
+
 def test_missing_block_is_a_counted_miss(tmp_path: Path) -> None:
     store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
     assert not store.get_into(b"\x01" * 16, bytearray(BLOCK_BYTES))

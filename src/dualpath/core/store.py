@@ -274,17 +274,21 @@ class BlockStore:
 
     # -- read ------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: Any) -> bool:
-        """Read the block of `key` into `out` (a writable buffer of `full_block_bytes`).
+        """Read the block of `key` into `out`: a writable buffer of `full_block_bytes`, or a
+        list of writable buffers filled in order that total that (a scatter read: e.g. each
+        layer's page straight into its place in a paged KV cache, with no staging copy).
 
         Returns True on a verified hit. Returns False on a miss or a corrupt block (counted in
         `counters`); `out` then holds unspecified bytes and must not be used.
         """
         path = self._path_str(key)
-        mv = memoryview(out).cast("B")
-        if mv.readonly or mv.nbytes != self.full_block_bytes:
+        views = [memoryview(b).cast("B") for b in (out if isinstance(out, list) else [out])]
+        nbytes = sum(v.nbytes for v in views)
+        if any(v.readonly for v in views) or nbytes != self.full_block_bytes:
             raise StoreError(
-                f"get_into {key.hex()}: out must be a writable buffer of "
-                f"{self.full_block_bytes} bytes, got {mv.nbytes} (readonly={mv.readonly})"
+                f"get_into {key.hex()}: out must be writable buffers of "
+                f"{self.full_block_bytes} bytes, got {nbytes} "
+                f"(readonly={any(v.readonly for v in views)})"
             )
         try:
             # O_NONBLOCK: a FIFO planted at the path opens at once (and then fails to read)
@@ -298,7 +302,7 @@ class BlockStore:
             return False
         header = bytearray(HEADER_BYTES)
         try:
-            got = _preadv_all(fd, [header, mv])
+            got = _preadv_all(fd, [header, *views])
         except OSError:  # a directory (EISDIR), a FIFO (ESPIPE), an I/O error
             self.counters.num_unreadable += 1
             return False
@@ -307,7 +311,10 @@ class BlockStore:
         payload_crc = None
         if got == self.file_bytes:
             payload_crc = _check_header(header, key, self.full_block_bytes)
-        if payload_crc is None or crc32c.crc32c(mv) != payload_crc:
+        crc = 0
+        for v in views if payload_crc is not None else ():
+            crc = crc32c.crc32c(v, crc)
+        if payload_crc is None or crc != payload_crc:
             self._quarantine(path)
             return False
         self.counters.num_hits += 1
