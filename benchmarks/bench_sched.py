@@ -23,20 +23,15 @@ from dataclasses import dataclass
 
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.sched import (
-    EngineReport,
-    PathMode,
-    Role,
-    SchedulerParams,
-    WaitingRequest,
+from dualpath.sched.de import (
     de_global_drain,
     de_global_drain_round_robin,
     de_group_fetch,
     de_group_fetch_round_robin,
-    derive_scheduler_params,
-    pe_fetch,
-    pe_fetch_round_robin,
 )
+from dualpath.sched.params import PathMode, SchedulerParams, derive_scheduler_params
+from dualpath.sched.pe import pe_fetch, pe_fetch_round_robin
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 
 GPUS_PER_NODE = 8
 NUM_PREFILL_NODES, NUM_DECODE_NODES = 48, 96

@@ -1,6 +1,6 @@
 """The simulator's hot modules, optionally compiled with mypyc (`make` builds them; see
 `tools/compile.py`). Compiled and pure-Python modules give byte-identical results
-(`tests/test_compiled.py`); compiling is only for speed.
+(`tests/sim/test_compiled.py`); compiling is only for speed.
 
 A compiled module (`*.so` next to its `.py`) is used only while it matches its source: the build
 records each source's SHA-256 in `_compiled.json`, and `install()` (run when `dualpath` is
@@ -40,9 +40,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "dualpath.sched.scheduler",
 )
 """Modules compiled together (one mypyc group). Their frozen dataclasses that cross process
-boundaries pickle by constructor (`dualpath.core.pickling`). `sched.params` stays
-Python: it validates its enum-typed knobs with errors that name the field, where a compiled
-class would reject a wrongly typed value with a bare `TypeError`."""
+boundaries pickle by constructor (`dualpath.core.pickling`)."""
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 MANIFEST = PACKAGE_ROOT / "_compiled.json"

@@ -6,13 +6,8 @@ from dataclasses import dataclass
 
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.sched import (
-    CostModelEstimator,
-    PrefillItem,
-    batch_attention_time_s,
-    coefficients_for,
-    pack_prefill_batch,
-)
+from dualpath.sched.batching import PrefillItem, pack_prefill_batch
+from dualpath.sched.cost import CostModelEstimator, batch_attention_time_s, coefficients_for
 
 
 @dataclass(frozen=True)

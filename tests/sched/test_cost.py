@@ -10,16 +10,17 @@ import pytest
 
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.sched import (
+from dualpath.sched.cost import (
     CostCoefficients,
     CostFileError,
     coefficients_for,
+    decode_kv_read_bytes,
     decode_step_time_s,
+    default_cost_file,
     load_cost_coefficients,
     prefill_attention_time_s,
     prefill_ffn_time_s,
 )
-from dualpath.sched.cost import decode_kv_read_bytes, default_cost_file
 
 H800 = hardware_preset("h800-deepseek")
 UNIT = CostCoefficients(attention_efficiency=1.0, linear_efficiency=1.0,

@@ -5,19 +5,15 @@ from __future__ import annotations
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.sched import (
-    EngineReport,
-    HbmNeed,
-    PathMode,
-    Role,
-    SchedulerParams,
-    WaitingRequest,
+from dualpath.sched.de import (
     de_global_drain,
     de_global_drain_round_robin,
     de_group_fetch,
     de_group_fetch_round_robin,
+    de_least_loaded_group,
 )
-from dualpath.sched.de import de_least_loaded_group
+from dualpath.sched.params import HbmNeed, PathMode, SchedulerParams
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 
 BIG = 10**12
 

@@ -7,13 +7,8 @@ import pytest
 from dualpath.core.errors import SpecError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.sched import (
-    PathMode,
-    TokCharge,
-    coefficients_for,
-    derive_scheduler_params,
-)
-from dualpath.sched.cost import prefill_tokens_per_s
+from dualpath.sched.cost import coefficients_for, prefill_tokens_per_s
+from dualpath.sched.params import PathMode, TokCharge, derive_scheduler_params
 
 H800 = hardware_preset("h800-deepseek")
 V32 = model_preset("deepseek-v3.2")

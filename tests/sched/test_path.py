@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.sched import PathMode, ReadSide, choose_read_path, plan_read
+from dualpath.sched.params import PathMode
+from dualpath.sched.path import choose_read_path, plan_read
+from dualpath.sched.types import ReadSide
 
 BS = 64
 

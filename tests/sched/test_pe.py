@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.sched import (
-    EngineReport,
-    PathMode,
-    Role,
-    SchedulerParams,
-    WaitingRequest,
-    pe_fetch,
-    pe_fetch_round_robin,
-)
+from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.pe import pe_fetch, pe_fetch_round_robin
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 
 ALPHA, BETA = 1000, 500
 

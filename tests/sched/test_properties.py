@@ -8,21 +8,12 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.sched import (
-    EngineReport,
-    HbmNeed,
-    PathMode,
-    PrefillItem,
-    Role,
-    SchedulerParams,
-    TokCharge,
-    WaitingRequest,
-    de_global_drain,
-    de_group_fetch,
-    pack_prefill_batch,
-    pe_fetch,
-    plan_read,
-)
+from dualpath.sched.batching import PrefillItem, pack_prefill_batch
+from dualpath.sched.de import de_global_drain, de_group_fetch
+from dualpath.sched.params import HbmNeed, PathMode, SchedulerParams, TokCharge
+from dualpath.sched.path import plan_read
+from dualpath.sched.pe import pe_fetch
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 
 BS = 64
 EXAMPLES = settings(max_examples=150, deadline=None)

@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.sched import (
-    AssignmentOrder,
-    EngineReport,
-    HbmNeed,
-    PathMode,
-    Role,
-    Scheduler,
-    SchedulerParams,
-    Stage,
-    TokCharge,
-    WaitingRequest,
-)
+from dualpath.sched.params import AssignmentOrder, HbmNeed, PathMode, SchedulerParams, TokCharge
+from dualpath.sched.scheduler import Scheduler, Stage
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 
 BIG = 10**12
 BS = 64

@@ -19,8 +19,9 @@ from dualpath.core.model import model_preset
 from dualpath.runtime.messages import EngineLoad, Fetch, TurnSpec
 from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.scheduler_process import RuntimeScheduler, SchedulerConfig, Submitted
-from dualpath.sched import EngineReport, PathMode, Role, SchedulerParams, WaitingRequest
 from dualpath.sched.cost import coefficients_for
+from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.types import EngineReport, Role, WaitingRequest
 from dualpath.sim import SimConfig, SimParams, Workload, mode_preset
 from dualpath.sim.policy import Policy
 

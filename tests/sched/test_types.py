@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dualpath.core.errors import SpecError
-from dualpath.sched import EngineGroup, Role, WaitingRequest, groups_of_nodes
+from dualpath.sched.types import EngineGroup, Role, WaitingRequest, groups_of_nodes
 
 
 def test_groups_hold_whole_nodes_with_rank_zero_leader() -> None:

@@ -98,13 +98,6 @@ class ModelSpec:
         """FFN / MoE FLOPs of one token over all layers (active experts only)."""
         return 2.0 * self.ffn_active_params_per_token
 
-    def attn_score_flops_per_layer(self, context_tokens: float) -> float:
-        """Score FLOPs of one query in one layer attending a context of `context_tokens`."""
-        per_key = 2.0 * self.num_attention_heads * (self.attn_qk_head_dim + self.attn_v_head_dim)
-        if self.dsa_top_k:
-            return per_key * min(context_tokens, self.dsa_top_k)
-        return per_key * context_tokens
-
     def indexer_flops_per_layer(self, context_tokens: float) -> float:
         """DSA lightning-indexer FLOPs of one query in one layer (0 for dense attention)."""
         return 2.0 * self.dsa_index_heads * self.dsa_index_head_dim * context_tokens

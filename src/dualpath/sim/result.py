@@ -49,11 +49,6 @@ class ResourceUsage:
     series: tuple[float, ...]
     """Mean utilization over links per time bin of `SimResult.utilization_bin_s`."""
 
-    @property
-    def mean_load_bytes_per_s(self) -> float:
-        """Mean load per link over the run."""
-        return self.mean_utilization * self.capacity_bytes_per_s
-
 
 @dataclass(frozen=True)
 class SimResult:

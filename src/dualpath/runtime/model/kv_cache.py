@@ -109,10 +109,6 @@ class KVCache:
         return len(self._free)
 
     @property
-    def num_free_tokens(self) -> int:
-        return self.num_free_pages * self.page_tokens
-
-    @property
     def bytes_per_page(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 

@@ -385,11 +385,6 @@ class AsyncLoader:
             errors, self._errors = self._errors, set()
         return errors
 
-    @property
-    def num_outstanding(self) -> int:
-        with self._lock:
-            return len(self._outstanding)
-
     def close(self) -> None:
         with self._lock:
             pools = list(self._pools.values())

@@ -181,10 +181,6 @@ class RoutePolicy:
     def is_known(self, request_id: int) -> bool:
         return request_id in self._requests
 
-    def route_of(self, request_id: int) -> Route | None:
-        req = self._requests.get(request_id)
-        return req.route if req is not None else None
-
     def update_metrics(self, role: Role, index: int, sample: InstanceMetrics) -> None:
         self.metrics[(role.value, index)] = sample
 
