@@ -229,6 +229,7 @@ def calibrate_setup(
                 for a, mal in cells]
 
     def evaluate(x: Sequence[float] | None) -> list[float]:
+        runner.prefetch(specs(x))
         return [runner.run(sp).jct_s for sp in specs(x)]
 
     cap0 = start_cap or base.max_seqs_per_decode_engine or START_CAP
@@ -295,6 +296,11 @@ def calibration_to_json(cal: Calibration, wall_s: float) -> dict[str, object]:
     return d
 
 
+def _has_oracle(name: str, agents: int, mal: str) -> bool:
+    p = fig7_point(name, agents, mal)
+    return p is not None and "oracle" in p.jct_s
+
+
 def calibration_section(ctx: Context) -> Section:
     """Residuals of the packaged (fitted) coefficients against the paper's Fig. 7 Oracle JCTs,
     and the record of the fit that produced them, if `reproduce calibrate` stored one."""
@@ -305,6 +311,10 @@ def calibration_section(ctx: Context) -> Section:
     )
     rows: list[list[object]] = []
     tab = []
+    ctx.runner.prefetch(RunSpec(name, "oracle", agents, mal)
+                        for name, cells in CALIBRATION_CELLS.items()
+                        for agents, mal in (*cells, *HOLDOUT_CELLS)
+                        if not (ctx.is_quick and agents > 512) and _has_oracle(name, agents, mal))
     for name, cells in CALIBRATION_CELLS.items():
         for agents, mal in (*cells, *HOLDOUT_CELLS):
             if ctx.is_quick and agents > 512:

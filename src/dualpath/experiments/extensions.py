@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dualpath.experiments import plots
-from dualpath.experiments.offline import table3_offline, unit_ep_engines
+from dualpath.experiments.offline import table3_offline, table3_offline_specs, unit_ep_engines
 from dualpath.experiments.online import (
     MAX_DOUBLINGS,
     MAX_HALVINGS,
@@ -17,6 +17,7 @@ from dualpath.experiments.online import (
     OnlinePoint,
     capacities,
     point,
+    point_spec,
 )
 from dualpath.experiments.paper import CLAIMS
 from dualpath.experiments.report import Claim, Context, Section, fmt, md_table, within, write_csv
@@ -28,8 +29,11 @@ def table3(ctx: Context) -> Section:
     """Table 3: a 2P4D unit vs a k-times larger cluster with k-times the load, DualPath."""
     started = time.perf_counter()
     k = ctx.scale_out or (2 if ctx.is_quick else 4)
-    rows, small, big = table3_offline(ctx, k)
     aps = 0.1 if ctx.is_quick else 0.2
+    ctx.runner.prefetch([*table3_offline_specs(ctx, k)] + [
+        point_spec(ctx, "ds660b_2p4d", "dualpath", aps * mult, (2 * mult, 4 * mult),
+                   unit_ep_engines() if mult > 1 else (0, 0)) for mult in (1, k)])
+    rows, small, big = table3_offline(ctx, k)
     on = []
     for mult in (1, k):
         q = point(ctx, "ds660b_2p4d", "dualpath", aps * mult, (2 * mult, 4 * mult),
@@ -90,6 +94,11 @@ def split_reads(ctx: Context) -> Section:
     rows: list[list[object]] = []
     deltas = []
     tab = []
+    aps = 0.2 if ctx.is_quick else 0.3
+    ctx.runner.prefetch([RunSpec(name, m, n, mal) for name in setups for n, mal in cells
+                         for m in ("dualpath", "split", "oracle")]
+                        + [point_spec(ctx, name, m, aps) for name in setups
+                           for m in ("dualpath", "split")])
     for name in setups:
         for n, mal in cells:
             d = ctx.runner.run(RunSpec(name, "dualpath", n, mal))
@@ -101,7 +110,6 @@ def split_reads(ctx: Context) -> Section:
             tab.append([setup(name).label, f"offline {n} agents {mal}", f"JCT {fmt(d.jct_s)} s",
                         f"{fmt(s.jct_s)} s", f"{delta:+.1f}%",
                         f"{d.storage_nic_max_over_avg:.2f} -> {s.storage_nic_max_over_avg:.2f}"])
-        aps = 0.2 if ctx.is_quick else 0.3
         qd = point(ctx, name, "dualpath", aps)
         qs = point(ctx, name, "split", aps)
         dt = 100.0 * (qs.ttft_s / qd.ttft_s - 1.0) if qd.ttft_s > 0 else 0.0

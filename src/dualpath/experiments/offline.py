@@ -362,14 +362,21 @@ def unit_ep_engines() -> tuple[int, int]:
     return unit.num_prefill_engines, unit.num_decode_engines
 
 
+def table3_offline_specs(ctx: Context, k: int) -> tuple[RunSpec, RunSpec]:
+    """Table 3's offline runs: 2P4D with n agents, (2k)P(4k)D with k*n agents."""
+    n = ctx.agents[0] if ctx.agents else (128 if ctx.is_quick else 512)
+    return (RunSpec("ds660b_2p4d", "dualpath", n, "64k"),
+            RunSpec("ds660b_2p4d", "dualpath", k * n, "64k", num_prefill_nodes=2 * k,
+                    num_decode_nodes=4 * k, ep_engines=unit_ep_engines()))
+
+
 def table3_offline(ctx: Context, k: int) -> tuple[list[list[object]], float, float]:
     """2P4D with n agents vs (2k)P(4k)D with k*n agents: rows and the two DualPath JCTs. The
     large cluster keeps the small one's expert-parallel groups (`unit_ep_engines`)."""
-    n = ctx.agents[0] if ctx.agents else (128 if ctx.is_quick else 512)
-    small = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", n, "64k"))
-    big = ctx.runner.run(RunSpec("ds660b_2p4d", "dualpath", k * n, "64k",
-                                 num_prefill_nodes=2 * k, num_decode_nodes=4 * k,
-                                 ep_engines=unit_ep_engines()))
+    specs = table3_offline_specs(ctx, k)
+    ctx.runner.prefetch(specs)
+    small, big = (ctx.runner.run(s) for s in specs)
+    n = specs[0].num_agents
     rows: list[list[object]] = [
         ["offline", "2P4D", n, "", small.jct_s, small.num_completed],
         ["offline", f"{2 * k}P{4 * k}D", k * n, "", big.jct_s, big.num_completed],

@@ -82,6 +82,14 @@ def _spec(
                    num_decode_nodes=d, ep_engines=ep)
 
 
+def point_spec(
+    ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None = None,
+    ep: tuple[int, int] = (0, 0),
+) -> RunSpec:
+    """The run of `point` (to prefetch several)."""
+    return _spec(ctx, name, mode, round(aps, 4), pd, ep)
+
+
 def point(
     ctx: Context, name: str, mode: str, aps: float, pd: tuple[int, int] | None = None,
     ep: tuple[int, int] = (0, 0),
