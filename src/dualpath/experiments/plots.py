@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 COLORS = {
     "oracle": "#4c72b0",
@@ -20,6 +16,18 @@ COLORS = {
 }
 
 
+@cache
+def _plt() -> Any:
+    """matplotlib.pyplot on the Agg backend, imported on the first figure: every `dualpath`
+    command imports this module, and pyplot alone takes about half a CPU second to import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _finish(fig: Any, ax: Any, path: Path, title: str, grid_axis: str) -> Path:
     """Title, legend and grid, then save to `path` (folders created) and free the figure."""
     ax.set_title(title)
@@ -28,7 +36,7 @@ def _finish(fig: Any, ax: Any, path: Path, title: str, grid_axis: str) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -42,7 +50,7 @@ def grouped_bars(
     xlabel: str = "",
 ) -> Path:
     """Bars per category and series; the paper's values (where given) as black diamonds."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(categories) * len(series)), 4.0))
+    fig, ax = _plt().subplots(figsize=(max(6.0, 0.9 * len(categories) * len(series)), 4.0))
     width = 0.8 / max(1, len(series))
     labelled_paper = False
     for i, (name, values) in enumerate(series.items()):
@@ -79,7 +87,7 @@ def lines(
     hline: tuple[float, str] | None = None,
 ) -> Path:
     """One line per series; `hline` = (y, label) draws a reference such as an SLO."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = _plt().subplots(figsize=(6.4, 4.0))
     for name, ys in series.items():
         pts = [(a, b) for a, b in zip(x, ys, strict=True) if b is not None]
         if pts:
@@ -106,7 +114,7 @@ def stacked_bars(
     xlabel: str = "",
 ) -> Path:
     """One stacked bar per category, one segment per part (e.g. the TTFT components)."""
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(categories) + 2), 4.0))
+    fig, ax = _plt().subplots(figsize=(max(5.0, 0.8 * len(categories) + 2), 4.0))
     bottom = [0.0] * len(categories)
     for name, values in parts.items():
         ax.bar(range(len(categories)), values, 0.6, bottom=bottom, label=name)
