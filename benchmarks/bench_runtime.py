@@ -42,7 +42,6 @@ from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.store import BlockStore
 from dualpath.runtime.agent_replay import agents_from_lengths, replay
-from dualpath.runtime.buffers import BufferPool
 from dualpath.runtime.emulated_cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.model.model_source import ModelSource
@@ -50,7 +49,9 @@ from dualpath.runtime.node_context import NodeConfig, NodeContext, ReadJob
 from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.storage_io import reader_loop
 from dualpath.runtime.traffic import NodeNics, TrafficManager
-from dualpath.runtime.transfer import is_nixl_available, make_transfer_engine
+from dualpath.runtime.transfer import make_transfer_engine
+from dualpath.transport.nixl import is_nixl_available
+from dualpath.transport.slots import SlotPool
 
 MiB = 2**20
 SMOLLM2 = KVLayout(num_layers=30, block_size=64, num_kv_heads=3, head_dim=64)
@@ -124,8 +125,8 @@ def bench_storage_reads(repeats: int, num_blocks: int) -> dict[str, float]:
 def bench_layer_blocks(kind: str, repeats: int, num_blocks: int) -> dict[str, float]:
     lbb = TINY.layer_block_bytes
     tag = uuid.uuid4().hex[:6]
-    a = BufferPool(f"bl{tag}a", lbb * num_blocks, 1)
-    b = BufferPool(f"bl{tag}b", lbb * num_blocks, 1)
+    a = SlotPool(f"bl{tag}a", lbb * num_blocks, 1)
+    b = SlotPool(f"bl{tag}b", lbb * num_blocks, 1)
     ea = make_transfer_engine(kind, 0, a.name, a.view, name_prefix=a.name)
     eb = make_transfer_engine(kind, 1, b.name, b.view, name_prefix=b.name)
     ea.connect(eb.local_info())

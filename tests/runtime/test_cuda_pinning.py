@@ -11,14 +11,14 @@ import uuid
 import pytest
 import torch
 
-from dualpath.runtime.buffers import BufferPool
 from dualpath.runtime.node_context import _pin
+from dualpath.transport.slots import SlotPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _pool() -> BufferPool:
-    return BufferPool(f"pin{uuid.uuid4().hex[:8]}", 1 << 16, 8)
+def _pool() -> SlotPool:
+    return SlotPool(f"pin{uuid.uuid4().hex[:8]}", 1 << 16, 8)
 
 
 def test_pin_registers_and_a_second_pin_of_the_same_range_falls_back_cleanly() -> None:

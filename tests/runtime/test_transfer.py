@@ -1,26 +1,24 @@
-"""Transfer engines (shared memory, NIXL when installed) and the node buffer pool."""
+"""The runtime's transfer engines (shared memory, NIXL when installed) between two nodes'
+slot pools (the pool itself: tests/transport/test_slots.py)."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from dualpath.runtime.buffers import BufferFullError, BufferPool
-from dualpath.runtime.transfer import (
-    TransferError,
-    is_nixl_available,
-    make_transfer_engine,
-)
+from dualpath.runtime.transfer import make_transfer_engine
+from dualpath.transport.errors import TransferError
+from dualpath.transport.nixl import is_nixl_available
+from dualpath.transport.slots import SlotPool
 
 
 @pytest.fixture
-def pools() -> Iterator[tuple[BufferPool, BufferPool]]:
+def pools() -> Iterator[tuple[SlotPool, SlotPool]]:
     tag = uuid.uuid4().hex[:8]
-    a = BufferPool(f"dpt{tag}a", 4096, 4)
-    b = BufferPool(f"dpt{tag}b", 4096, 4)
+    a = SlotPool(f"dpt{tag}a", 4096, 4)
+    b = SlotPool(f"dpt{tag}b", 4096, 4)
     yield a, b
     a.close()
     b.close()
@@ -36,7 +34,7 @@ KINDS = [
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_write_and_read_move_bytes_between_segments(
-    pools: tuple[BufferPool, BufferPool], kind: str
+    pools: tuple[SlotPool, SlotPool], kind: str
 ) -> None:
     a, b = pools
     ea = make_transfer_engine(kind, 0, a.name, a.view, name_prefix=a.name)
@@ -62,34 +60,7 @@ def test_write_and_read_move_bytes_between_segments(
         eb.close()
 
 
-def test_unknown_transfer_kind_lists_the_valid_ones(pools: tuple[BufferPool, BufferPool]) -> None:
+def test_unknown_transfer_kind_lists_the_valid_ones(pools: tuple[SlotPool, SlotPool]) -> None:
     a, _ = pools
     with pytest.raises(TransferError, match="valid: auto, nixl, shm"):
         make_transfer_engine("rdma", 0, a.name, a.view)
-
-
-def test_pool_alloc_blocks_until_slots_are_freed(pools: tuple[BufferPool, BufferPool]) -> None:
-    a, _ = pools
-    held = a.alloc(4)
-    assert a.num_free == 0
-    got: list[list[int]] = []
-    waiter = threading.Thread(target=lambda: got.append(a.alloc(2)))
-    waiter.start()
-    waiter.join(timeout=0.2)
-    assert waiter.is_alive() and not got  # backpressure: no slot is free
-    a.free(held[:2])
-    waiter.join(timeout=10)
-    assert not waiter.is_alive() and sorted(got[0]) == sorted(held[:2])
-    assert a.num_waits == 1 and a.peak_used == 4
-
-
-def test_pool_refuses_impossible_and_double_frees(pools: tuple[BufferPool, BufferPool]) -> None:
-    a, _ = pools
-    with pytest.raises(BufferFullError, match="5 slots requested, pool holds 4"):
-        a.alloc(5)
-    slots = a.alloc(4)
-    with pytest.raises(BufferFullError, match="not free within"):
-        a.alloc(1, timeout_s=0.01)
-    a.free(slots)
-    with pytest.raises(BufferFullError, match="freed twice"):
-        a.free(slots[:1])

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from dualpath.core.blocks import ROOT_KEY, block_key
-from dualpath.runtime.buffers import BufferFullError
 from dualpath.runtime.messages import (
     Cancel,
     DeBufferReady,
@@ -46,6 +45,7 @@ from dualpath.runtime.messages import (
 )
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.node_context import NodeContext, ReadJob
+from dualpath.transport.errors import BufferFullError
 
 
 @dataclass

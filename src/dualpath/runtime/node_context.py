@@ -13,18 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive, positive_int
-from dualpath.runtime.buffers import BufferPool
 from dualpath.runtime.estimator import ESTIMATORS
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import Message, NodeStats
 from dualpath.runtime.model.model_source import ModelSource
 from dualpath.runtime.traffic import NodeNics, Port, TrafficClass, TrafficManager
 from dualpath.runtime.transfer import TransferEngine, make_transfer_engine
+from dualpath.transport.slots import SlotPool
 
 
 class Budgets(Protocol):
@@ -143,7 +142,7 @@ class NodeContext:
         self.cfg = cfg
         self.layout = cfg.layout
         slot_bytes = cfg.layout.full_block_bytes
-        self.pool = BufferPool(cfg.shm_name, slot_bytes, cfg.buffer_bytes // slot_bytes)
+        self.pool = SlotPool.sized(cfg.shm_name, slot_bytes, cfg.buffer_bytes)
         self._pinned = _pin(self.pool)
         unpaced = float("inf")
         self.nics = NodeNics.create(
@@ -229,13 +228,13 @@ class NodeContext:
         )
 
 
-def _pin(pool: BufferPool) -> int:
+def _pin(pool: SlotPool) -> int:
     """On CUDA, page-lock the buffer segment so copies between slots and engine memory run at
     full PCIe speed (the segment is shared memory, so it is registered rather than allocated
     pinned); returns its address, or 0 when nothing was pinned (no CUDA: pinning would fail)."""
     if not torch.cuda.is_available():
         return 0
-    address = int(np.frombuffer(pool.view, dtype=np.uint8).ctypes.data)
+    address = pool.address
     cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     err = cudart.cudaHostRegister(address, pool.capacity_bytes, 0)
     if int(err) == 0:

@@ -8,7 +8,7 @@ import sys
 
 from dualpath.core.store import BlockStore
 from dualpath.runtime.node_context import NodeContext
-from dualpath.runtime.traffic import sleep_until
+from dualpath.transport.pacing import sleep_until
 
 
 def reader_loop(ctx: NodeContext) -> None:

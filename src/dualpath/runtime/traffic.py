@@ -6,11 +6,13 @@ NIC (full duplex: a `tx` port for bytes leaving host DRAM / engine memory toward
 port for bytes the NIC writes into DRAM / engine memory). Local H2D and D2H copies also go
 through the engine's compute NIC, as in the paper (CNIC-assisted copy), so they are charged too.
 
-A `Port` is a serial resource with a virtual clock `busy_until`. A transfer is cut into chunks;
-each chunk is *granted* by the port's arbiter and advances the clock by `bytes / rate`. The
-arbiter grants only while the port is at most `lookahead_s` ahead of wall time, so a sender is
-paced at the port rate, while the small lookahead keeps the port busy despite thread wake-up
-jitter (the clock advances from `busy_until`, not from `now`, while the port is backlogged).
+A `Port` is a serial resource whose clock is the transport's token-bucket `Pacer`
+(`dualpath.transport.pacing`, the one the vLLM connector paces its storage reads with). A
+transfer is cut into chunks; each chunk is *granted* by the port's arbiter and booked on the
+pacer, advancing its clock by `bytes / rate`. The arbiter grants only while the clock is at
+most `lookahead_s` ahead of wall time, so a sender is paced at the port rate, while the small
+lookahead keeps the port busy despite thread wake-up jitter (the clock advances from where it
+stands, not from `now`, while the port is backlogged).
 
 Two traffic classes share a port by weighted deficit round robin: `HIGH` (model inference
 traffic) and `LOW` (KV-cache traffic), weighted 99:1 by default like the paper's InfiniBand VL
@@ -32,6 +34,7 @@ from enum import IntEnum
 
 from dualpath.core.errors import SpecError
 from dualpath.core.validate import positive, positive_int
+from dualpath.transport.pacing import UNLIMITED, Pacer, sleep_until
 
 
 class TrafficClass(IntEnum):
@@ -57,7 +60,7 @@ class PortConfig:
 
     def __post_init__(self) -> None:
         owner = f"port[{self.name}]"
-        if self.rate_bytes_per_s != float("inf"):
+        if self.rate_bytes_per_s != UNLIMITED:
             positive(owner, "rate_bytes_per_s", self.rate_bytes_per_s)
         positive_int(owner, "chunk_bytes", self.chunk_bytes)
         positive(owner, "lookahead_s", self.lookahead_s)
@@ -66,7 +69,7 @@ class PortConfig:
 
     @property
     def is_unlimited(self) -> bool:
-        return self.rate_bytes_per_s == float("inf")
+        return self.rate_bytes_per_s == UNLIMITED
 
 
 @dataclass
@@ -90,14 +93,15 @@ class PortStats:
 
 
 class Port:
-    """One NIC direction: paces and arbitrates the chunks granted to senders (thread safe)."""
+    """One NIC direction: the transport's `Pacer` (its clock) with a two-class arbiter in front
+    that decides whose chunk is booked next (thread safe)."""
 
     def __init__(self, config: PortConfig) -> None:
         self.config = config
-        self.stats = PortStats()
+        self.pacer = Pacer(config.rate_bytes_per_s, config.name)
+        self._bytes_by_class = [0, 0]
         self._cond = threading.Condition()
         self._queues: tuple[deque[_Request], deque[_Request]] = (deque(), deque())
-        self._busy_until = 0.0
         # Deficit round robin: credit in bytes per class, refilled by weight * chunk.
         self._deficit = [0, 0]
         self._turn = TrafficClass.HIGH
@@ -106,19 +110,25 @@ class Port:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def stats(self) -> PortStats:
+        """The port's counters now (a copy)."""
+        with self._cond:
+            return PortStats(list(self._bytes_by_class), self.pacer.busy_s)
+
     def grant(self, num_bytes: int, traffic_class: TrafficClass = TrafficClass.LOW) -> float:
         """Block until the arbiter grants `num_bytes` (<= chunk_bytes) to this caller; return
         the wall time at which those bytes have passed the port."""
         if self.config.is_unlimited:
             with self._cond:
-                self.stats.bytes_by_class[traffic_class] += num_bytes
-            return time.monotonic()
+                self._bytes_by_class[traffic_class] += num_bytes
+            return self.pacer.book(num_bytes)
         req = _Request(num_bytes, traffic_class)
         with self._cond:
             self._queues[traffic_class].append(req)
             while not req.is_granted:
                 now = time.monotonic()
-                ahead_s = self._busy_until - now
+                ahead_s = self.pacer.ahead_s(now)
                 if ahead_s <= self.config.lookahead_s:
                     self._grant_next(now)
                     if req.is_granted:
@@ -130,7 +140,7 @@ class Port:
             return req.granted_until
 
     def _grant_next(self, now: float) -> None:
-        """Grant the head request of the class the DRR arbiter picks (caller holds the lock).
+        """Book the head request of the class the DRR arbiter picks (caller holds the lock).
 
         Invariant: with both classes backlogged, over a DRR round HIGH is granted
         `high_weight * chunk_bytes` bytes for every `low_weight * chunk_bytes` of LOW.
@@ -140,12 +150,8 @@ class Port:
             return
         req = self._queues[cls].popleft()
         self._deficit[cls] -= req.num_bytes
-        start = max(now, self._busy_until)
-        duration = req.num_bytes / self.config.rate_bytes_per_s
-        self._busy_until = start + duration
-        self.stats.bytes_by_class[cls] += req.num_bytes
-        self.stats.busy_s += duration
-        req.granted_until = self._busy_until
+        self._bytes_by_class[cls] += req.num_bytes
+        req.granted_until = self.pacer.book(req.num_bytes, now)
         req.is_granted = True
 
     def _pick_class(self) -> TrafficClass | None:
@@ -175,22 +181,10 @@ class Port:
         writer), so the caller can do the real I/O while the emulated transfer runs and then
         `sleep_until` the returned time: the port stays busy back to back."""
         with self._cond:
-            self.stats.bytes_by_class[traffic_class] += num_bytes
-            if self.config.is_unlimited:
-                return time.monotonic()
-            duration = num_bytes / self.config.rate_bytes_per_s
-            self._busy_until = max(time.monotonic(), self._busy_until) + duration
-            self.stats.busy_s += duration
+            self._bytes_by_class[traffic_class] += num_bytes
+            done_at = self.pacer.book(num_bytes)
             self._cond.notify_all()
-            return self._busy_until
-
-    def wait_idle(self) -> None:
-        """Sleep until every granted byte has passed the port."""
-        with self._cond:
-            until = self._busy_until
-        delay = until - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+            return done_at
 
 
 def _pace(ports: Sequence[Port], num_bytes: int, traffic_class: TrafficClass) -> float:
@@ -211,19 +205,6 @@ def _pace(ports: Sequence[Port], num_bytes: int, traffic_class: TrafficClass) ->
             finish = max(finish, port.grant(n, traffic_class))
         done += n
     return finish
-
-
-def sleep_until(t: float) -> None:
-    """Sleep until monotonic time `t` (no-op if it has passed)."""
-    delay = t - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
-
-
-def _sleep_until(t: float) -> None:
-    delay = t - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
 
 
 @dataclass(frozen=True)
@@ -268,7 +249,7 @@ class TrafficManager:
                 raise SpecError("copy", "nbytes", c.src.nbytes, f"dst holds {c.dst.nbytes}")
             c.dst[:] = c.src
             total += c.src.nbytes
-        _sleep_until(_pace(route, total, traffic_class))
+        sleep_until(_pace(route, total, traffic_class))
         self.num_batches += 1
         self.num_copies += len(copies)
         return total
@@ -277,7 +258,7 @@ class TrafficManager:
         self, route: Sequence[Port], num_bytes: int, traffic_class: TrafficClass = TrafficClass.LOW
     ) -> None:
         """Pace `num_bytes` moved by someone else (a file read, a tensor copy) on `route`."""
-        _sleep_until(_pace(route, num_bytes, traffic_class))
+        sleep_until(_pace(route, num_bytes, traffic_class))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Engine-to-engine transfers behind one interface: NIXL (UCX) when installed, else shared memory.
+"""Engine-to-engine transfers behind one interface: NIXL (UCX, the transport's one agent,
+`dualpath.transport.nixl`) when installed, else shared memory.
 
 Each node registers one memory segment (its buffer pool, which also holds the engines' staging
 slots) and publishes a `SegmentInfo` in a message; peers `connect` with it. A transfer is a batch
@@ -9,24 +10,17 @@ done here: the caller charges the bytes to its ports with the traffic manager.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import time
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
-
-from dualpath.core.errors import DualPathError
+from dualpath.transport.errors import TransferError
+from dualpath.transport.nixl import NixlAgent, is_nixl_available
 
 Descriptor = tuple[int, int, int]
 """(local_offset, remote_offset, num_bytes) inside the two registered segments."""
-
-
-class TransferError(DualPathError):
-    """A transfer that failed or addressed bytes outside a registered segment."""
 
 
 @dataclass(frozen=True)
@@ -130,33 +124,25 @@ class ShmTransferEngine:
         self._peers.clear()
 
 
-def is_nixl_available() -> bool:
-    """True when the `nixl` package is importable."""
-    return importlib.util.find_spec("nixl") is not None
-
-
 class NixlTransferEngine:
-    """NIXL agent with the UCX backend; the node's segment is registered as DRAM once and
-    descriptors are posted as one transfer request per batch."""
+    """The transport's NIXL agent over the node's segment (registered as DRAM once, with a
+    progress thread: every node is the target of its peers' one-sided transfers); a batch of
+    descriptors is one transfer request, waited for with the agent's timeout."""
 
     kind = "nixl"
 
     def __init__(self, node: int, shm_name: str, view: memoryview, name_prefix: str = "") -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self._name = f"{name_prefix}node{node}"
-        # The progress thread is needed (the target side of a UCX transfer must progress too);
-        # it polls a core, which costs CPU on small machines: `shm` avoids that.
-        self._agent: Any = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
-        self._array = np.frombuffer(view, dtype=np.uint8)
-        self._base = int(self._array.ctypes.data)
+        self._agent = NixlAgent(f"{name_prefix}node{node}", progress_thread=True)
+        anchor = ctypes.c_char.from_buffer(view)
+        self._base = ctypes.addressof(anchor)
+        del anchor
         self._size = view.nbytes
-        self._agent.register_memory([(self._base, self._size, 0, "")], "DRAM")
+        self._agent.register([(self._base, self._size)])
         self._info = SegmentInfo(
             node=node,
             shm_name=shm_name,
             size_bytes=self._size,
-            agent_metadata=bytes(self._agent.get_agent_metadata()),
+            agent_metadata=self._agent.metadata(),
             base_address=self._base,
         )
         self._peers: dict[int, tuple[str, int, int]] = {}
@@ -167,10 +153,8 @@ class NixlTransferEngine:
     def connect(self, peer: SegmentInfo) -> None:
         if peer.node in self._peers or peer.node == self._info.node:
             return
-        name = self._agent.add_remote_agent(peer.agent_metadata)
-        if isinstance(name, bytes):
-            name = name.decode()
-        self._peers[peer.node] = (str(name), peer.base_address, peer.size_bytes)
+        name = self._agent.connect(peer.agent_metadata)
+        self._peers[peer.node] = (name, peer.base_address, peer.size_bytes)
 
     def _post(self, op: str, peer: int, descs: Sequence[Descriptor]) -> int:
         try:
@@ -178,22 +162,9 @@ class NixlTransferEngine:
         except KeyError:
             raise TransferError(f"node {peer} is not connected") from None
         total = _check(descs, self._size, remote_size)
-        if not descs:
-            return 0
-        local = self._agent.get_xfer_descs([(self._base + lo, n, 0) for lo, _, n in descs], "DRAM")
-        remote = self._agent.get_xfer_descs(
-            [(remote_base + ro, n, 0) for _, ro, n in descs], "DRAM"
+        self._agent.transfer(
+            op, name, [(self._base + lo, remote_base + ro, n) for lo, ro, n in descs]
         )
-        handle = self._agent.initialize_xfer(op, local, remote, name)
-        try:
-            state = self._agent.transfer(handle)
-            while state == "PROC":
-                time.sleep(0)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"NIXL {op} to node {peer} failed ({state})")
-        finally:
-            self._agent.release_xfer_handle(handle)
         return total
 
     def write(self, peer: int, descs: Sequence[Descriptor]) -> int:
@@ -203,12 +174,8 @@ class NixlTransferEngine:
         return self._post("READ", peer, descs)
 
     def close(self) -> None:
-        for name, _, _ in self._peers.values():
-            with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(name)
+        self._agent.close()
         self._peers.clear()
-        # Drop our view of the segment so its owner can unmap it.
-        self._array = np.empty(0, dtype=np.uint8)
 
 
 TRANSFER_KINDS = ("auto", "nixl", "shm")

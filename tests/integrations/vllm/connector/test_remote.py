@@ -25,8 +25,6 @@ from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.launch import free_port
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.nixl_link import NixlLink
-from dualpath.integrations.vllm.connector.pacing import ReadPacer
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
     Push,
@@ -35,14 +33,14 @@ from dualpath.integrations.vllm.connector.plan import (
     XferLoad,
 )
 from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.connector.side_channel import (
-    DecodeSideChannel,
-    SideChannelClient,
-    SideChannelError,
-    StagingPool,
-    instance_cpus,
-    spawn_side_channel,
-)
+from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
+from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
+from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.transport.nixl import NixlAgent, agent_name
+from dualpath.transport.pacing import Pacer
+from dualpath.transport.slots import SlotPool
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 NUM_BLOCKS, HEADS, BS, CH = 8, 2, 4, 6
@@ -70,7 +68,7 @@ class Pair:
     stored: list[torch.Tensor]
     pool: StagingPool
     channel: DecodeSideChannel
-    d_link: NixlLink
+    d_link: NixlAgent
     p_kv: dict[str, torch.Tensor]
     p_worker: KVWorker
     prefill: PrefillRemote
@@ -86,11 +84,10 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         block = torch.randint(0, 255, (FULL,), dtype=torch.uint8, generator=g)
         store.put(key, block.numpy().data)
         stored.append(block)
-    pool = StagingPool(6, FULL)
-    d_link = NixlLink("decode-test", progress_thread=True)  # the transfers' target
+    pool = StagingPool(SlotPool(None, FULL, 6))
+    d_link = NixlAgent(agent_name("decode-test"), progress_thread=True)  # the transfers' target
     d_link.register([(pool.base, pool.num_slots * FULL)])
-    channel = DecodeSideChannel("127.0.0.1:0", pool, store, d_link.metadata(), d_link.connect,
-                                {"full_block_bytes": FULL})
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, d_link.metadata(), d_link.connect)
     p_kv = paged()
     p_worker = KVWorker(store, LAYERS, PAGE)
     prefill = PrefillRemote(p_worker, p_kv)
@@ -99,6 +96,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     prefill.close()
     channel.close()
     d_link.close()
+    pool.close()
 
 
 def prefill_step(p: Pair, plan: StepPlan, computed: dict[int, torch.Tensor]) -> None:
@@ -208,31 +206,15 @@ def test_a_peer_agent_is_added_once_whatever_the_connections(pair: Pair) -> None
     p = pair
     added: list[bytes] = []
     channel = DecodeSideChannel("127.0.0.1:0", p.pool, p.store, p.d_link.metadata(),
-                                lambda m: added.append(m) or "peer", {"full_block_bytes": FULL})
+                                lambda m: added.append(m) or "peer")
     clients = [SideChannelClient(channel.address) for _ in range(3)]
     for c in clients:
-        assert c.hello(b"agent-a")["full_block_bytes"] == FULL
+        assert c.hello(b"agent-a").full_block_bytes == FULL
     clients[0].hello(b"")
     assert added == [b"agent-a"]
     for c in clients:
         c.close()
     channel.close()
-
-
-def test_staging_pool_expires_the_oldest_transfer_when_full() -> None:
-    pool = StagingPool(3, 16, ttl_s=3600)
-    pool.alloc("a", [0, 1])
-    pool.alloc("b", [0])
-    pool.alloc("c", [0, 1])  # needs 2, 0 free: "a" (the oldest) goes
-    assert pool.num_expired == 1 and pool.lookup("a", [0]) == [None]
-    with pytest.raises(SideChannelError, match="full"):
-        pool.alloc("d", [0, 1, 2, 3])
-    # A transfer released while its stage was still reading (the prefill side gave up) is
-    # an error reply, not a KeyError, and its slots are back.
-    pool.release("c")
-    with pytest.raises(SideChannelError, match="released while staging"):
-        pool.mark_staged("c", [0, 1])
-    assert pool.num_free == pool.num_slots  # ("d" had expired "b" too)
 
 
 def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:
@@ -269,7 +251,7 @@ def test_a_burst_of_pe_side_loads_does_not_hold_up_de_side_pulls(pair: Pair) -> 
     there are threads, finishes while the (slow, NIC-paced) PE loads are still reading."""
     p = pair
     p.p_worker.register(p.p_kv)
-    p.p_worker.pacer = ReadPacer(FULL * 8 / 0.5e9)  # one block per 0.5 s on this NIC
+    p.p_worker.pacer = Pacer(FULL / 0.5)  # one block per 0.5 s on this NIC
     loader = AsyncLoader(p.p_worker, p.prefill, max_workers=1)
     plan = StepPlan(
         async_loads=[BlockTransfer(f"pe{i}", 0, (i,), (KEYS[0],)) for i in range(4)],
@@ -285,30 +267,6 @@ def test_a_burst_of_pe_side_loads_does_not_hold_up_de_side_pulls(pair: Pair) -> 
     assert "de" in done and done.index("de") < 2, done  # not after the 2 s of PE reads
     assert same(p.p_kv[LAYERS[0]][5], page_of(p.stored[1], 0))
     loader.close()
-
-
-def test_read_pacer_holds_reads_to_the_emulated_rate() -> None:
-    pacer = ReadPacer(0.08)  # 10 MB/s
-    t0 = time.monotonic()
-    for _ in range(4):
-        pacer.charge(250_000)  # 4 x 25 ms
-    assert time.monotonic() - t0 >= 0.095
-    assert pacer.num_bytes == 1_000_000
-    with pytest.raises(ValueError, match="storage_read_gbps"):
-        ReadPacer(0)
-
-
-def test_read_pacer_books_the_nic_before_the_local_read() -> None:
-    """`reading` queues the bytes on the NIC first: bookings follow each other at the
-    NIC's rate, whatever the local reads between them cost."""
-    pacer = ReadPacer(0.08)  # 10 MB/s: 100_000 B take 10 ms
-    first = pacer.book(100_000)
-    second = pacer.book(100_000)
-    assert second - first == pytest.approx(0.01)
-    with pacer.reading(100_000):
-        pass
-    assert time.monotonic() >= second + 0.01 - 1e-6
-    assert pacer.busy_s == pytest.approx(0.03)
 
 
 def test_side_channel_process_serves_pulls_and_the_decode_workers_loads(

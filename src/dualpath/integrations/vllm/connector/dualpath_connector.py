@@ -10,7 +10,8 @@ Register it with
 Extra config: `store_path` (required; a folder, local or a shared mount), `durable` (fsync
 each block, default true), `event_log` (a JSON-lines file of loads and saves, default none),
 `background_saves` (write new blocks from a writer thread, not in the step; default true on a
-decode instance, false otherwise).
+decode instance, false otherwise), `staging_gb` or `staging_blocks` (a decode instance's staging
+buffer, in GB, default 2, or in Full Blocks).
 
 On every instance, every full block of every request is persisted when the step that
 computes its last token ends; a later request whose prefix is
@@ -43,7 +44,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.pacing import ReadPacer
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
     StepPlan,
@@ -51,8 +51,13 @@ from dualpath.integrations.vllm.connector.plan import (
     namespace_key,
 )
 from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.connector.side_channel import RemotePool, spawn_side_channel
+from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
+from dualpath.integrations.vllm.connector.side_channel.service import (
+    spawn_side_channel,
+    staging_slots,
+)
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.transport.pacing import Pacer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -147,7 +152,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._storage_read_gbps = float(gbps) if gbps else None
         # The worker's emulated storage NIC. On a decode node the staging service reads through
         # its own (the worker reads the store only for requests without the router's orders).
-        self._pacer = ReadPacer(self._storage_read_gbps) \
+        self._pacer = Pacer.from_gbps(self._storage_read_gbps, "storage_read") \
             if self._storage_read_gbps and role != KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(
@@ -190,7 +195,9 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                              "needs kv_connector_extra_config.side_channel, host:port")
         self._side_process, pool = spawn_side_channel(
             str(address), str(self._store.root), self._store.full_block_bytes,
-            int(extra.get_from_extra_config("staging_blocks", 64)),
+            staging_slots(self._store.full_block_bytes,
+                          extra.get_from_extra_config("staging_gb", None),
+                          extra.get_from_extra_config("staging_blocks", None)),
             self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
             self._layout.namespace.hex())
         self._side_pool = pool

@@ -34,14 +34,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.connector.pacing import ReadPacer
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
+from dualpath.transport.pacing import Pacer
 
 
 class LayoutError(ValueError):
@@ -68,6 +68,9 @@ class WorkerCounters:
     """Side-channel or NIXL failures (each costs a recompute, never a wrong token)."""
 
 
+_COUNTERS = frozenset(f.name for f in fields(WorkerCounters))
+
+
 @dataclass
 class _Staged:
     block_id: int
@@ -80,7 +83,7 @@ class KVWorker:
     """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors."""
 
     def __init__(self, store: BlockStore, layer_names: Sequence[str], page_bytes: int,
-                 event_log: Path | str | None = None, pacer: ReadPacer | None = None,
+                 event_log: Path | str | None = None, pacer: Pacer | None = None,
                  background_saves: bool = False, max_pending_saves: int = 64) -> None:
         if store.full_block_bytes != len(layer_names) * page_bytes:
             raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
@@ -93,7 +96,8 @@ class KVWorker:
         self.pacer = pacer
         """The emulated storage NIC every store read is charged to (None: unpaced)."""
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._log_lock = threading.Lock()
+        self._lock = threading.Lock()
+        """Guards the counters and the event log (engine and background threads share them)."""
         self.counters = WorkerCounters()
         self._plan = StepPlan()
         self._loaded: list[_Staged] = []
@@ -125,7 +129,7 @@ class KVWorker:
                     break  # vLLM recomputes from the first failed block on
                 self._loaded.append(_Staged(block_id, buf))
                 n_ok += 1
-            self.counters.loaded_blocks += n_ok
+            self.count(loaded_blocks=n_ok)
             self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
 
     def read_block(self, key: bytes, buf: torch.Tensor) -> bool:
@@ -159,8 +163,7 @@ class KVWorker:
                 break
             self.write_pages(block_id, buf)
             n_ok += 1
-        with self._log_lock:
-            self.counters.loaded_blocks += n_ok
+        self.count(loaded_blocks=n_ok)
         self._log("load", t, ok=n_ok, error=n_ok < len(t.block_ids), background=True)
         return n_ok
 
@@ -204,13 +207,12 @@ class KVWorker:
                 is_new = self.store.put(s.key, s.buf.numpy().data, overwrite=False)
             except OSError:
                 is_new = None
-            with self._log_lock:
-                if is_new is None:
-                    self.counters.failed_saves += 1
-                elif is_new:
-                    self.counters.saved_blocks += 1
-                else:
-                    self.counters.skipped_saves += 1
+            if is_new is None:
+                self.count(failed_saves=1)
+            elif is_new:
+                self.count(saved_blocks=1)
+            else:
+                self.count(skipped_saves=1)
         self.log_event({"event": "save", "blocks": len(saves),
                         "background": self._writer is not None,
                         "s": round(time.perf_counter() - t0, 4)})
@@ -237,7 +239,7 @@ class KVWorker:
         the request is saved in this step."""
         self._failed_reqs.add(req_id)
         self._error_block_ids.add(block_id)
-        self.counters.load_errors += 1
+        self.count(load_errors=1)
 
     def has_failed(self, req_id: str) -> bool:
         """A load of `req_id` failed in this step."""
@@ -254,7 +256,7 @@ class KVWorker:
         for t in self._plan.saves:
             for block_id, key in zip(t.block_ids, t.keys, strict=True):
                 if t.req_id in self._failed_reqs or self.store.contains(key):
-                    self.counters.skipped_saves += 1
+                    self.count(skipped_saves=1)
                     continue
                 buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
                 staged.append(_Staged(block_id, buf, key))
@@ -274,11 +276,31 @@ class KVWorker:
         self.log_event({"event": event, "req_id": t.req_id, "first_block": t.first_block,
                          "blocks": len(t.block_ids), **extra})
 
+    # -- what the P/D data plane (`remote.py`) shares -------------------------------------
+    @property
+    def full_block_bytes(self) -> int:
+        return self.store.full_block_bytes
+
+    def count(self, **deltas: int) -> None:
+        """Add `deltas` to the named counters (`WorkerCounters` fields), from any thread."""
+        with self._lock:
+            for name, n in deltas.items():
+                if name not in _COUNTERS:
+                    raise AttributeError(f"WorkerCounters has no counter {name!r}")
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def remote_error(self, req_id: str, op: str, error: str, **extra: object) -> None:
+        """A side-channel or NIXL failure of `req_id` in `op`: counted and logged (it costs a
+        recompute, never a wrong token)."""
+        self.count(remote_errors=1)
+        self.log_event({"event": "remote_error", "req_id": req_id, "op": op, "error": error,
+                        **extra})
+
     def log_event(self, record: dict[str, object]) -> None:
         """Append `record` (and the counters) to the event log, when there is one."""
         if self.event_log is None:
             return
-        with self._log_lock:
+        with self._lock:
             record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
             with self.event_log.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")

@@ -35,13 +35,16 @@ from typing import Protocol
 import torch
 
 from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
-from dualpath.integrations.vllm.connector.nixl_link import Desc, LinkError, NixlLink, Pending
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
-from dualpath.integrations.vllm.connector.side_channel import (
-    SideChannelClient,
+from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
+from dualpath.integrations.vllm.connector.side_channel.messages import (
     SideChannelError,
-    StagingPool,
+    Stage,
+    Staged,
 )
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.transport.errors import TransferError
+from dualpath.transport.nixl import Desc, NixlAgent, Pending, agent_name
 
 
 def paged_kv_bases(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
@@ -68,15 +71,8 @@ class PrefillRemote:
         self.page_bytes = kv.page_bytes
         self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
         self._layer_index = {n: i for i, n in enumerate(kv.layer_names)}
-        self.link = NixlLink("prefill")
-        seen: set[int] = set()
-        regions = []
-        for name in kv.layer_names:
-            t = kv_caches[name]
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                regions.append((int(t.data_ptr()), t.numel() * t.element_size()))
-        self.link.register(regions)
+        self.link = NixlAgent(agent_name("prefill"))
+        self.link.register_tensors(kv_caches[name] for name in kv.layer_names)
         self._peers: dict[tuple[str, int], SideChannelClient] = {}
         """(decode side channel, thread) -> a connection (a background load's long `stage`
         never holds up the engine thread's pushes)."""
@@ -105,14 +101,14 @@ class PrefillRemote:
         # one-sided READs and WRITEs, and its connecting back while this worker (no progress
         # thread) was in a forward hung loadRemoteMD here for good over TCP (emulated hosts).
         info = client.hello(b"")
-        if int(info["full_block_bytes"]) != self.kv.store.full_block_bytes:
+        if info.full_block_bytes != self.kv.full_block_bytes:
             client.close()
             raise SideChannelError(f"decode instance {address} holds "
-                                   f"{info['full_block_bytes']} B blocks, this prefill "
-                                   f"{self.kv.store.full_block_bytes} B: not the same model")
+                                   f"{info.full_block_bytes} B blocks, this prefill "
+                                   f"{self.kv.full_block_bytes} B: not the same model")
         with self._lock:
             if address not in self._agents:
-                self._agents[address] = self.link.connect(info["agent"])
+                self._agents[address] = self.link.connect(info.agent)
             self._peers[slot] = client
             return client, self._agents[address]
 
@@ -140,23 +136,17 @@ class PrefillRemote:
         ok = 0
         try:
             client, peer = self._peer(r.de)
-            reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
-                                keys=[k.hex() for k in t.keys])
-            slots = [int(a) for a in reply["slots"]]
+            slots = client.stage(r.xfer, t.first_block, t.keys).slots
             pairs = list(zip(t.block_ids, slots, strict=False))
             pending = self.link.post("READ", peer, [
                 d for i in range(len(self._bases)) for d in self._page_descs(i, pairs)])
             if pending is not None:
                 pending.wait()
             ok = len(slots)
-        except (SideChannelError, LinkError, OSError) as e:
-            with self._lock:
-                self.kv.counters.remote_errors += 1
-            self.kv.log_event({"event": "remote_error", "req_id": t.req_id, "op": "pull",
-                               "error": str(e), "thread": threading.get_ident()})
+        except (SideChannelError, TransferError, OSError) as e:
+            self.kv.remote_error(t.req_id, "pull", str(e), thread=threading.get_ident())
             self._drop_peer(r.de)
-        with self._lock:
-            self.kv.counters.pulled_blocks += ok
+        self.kv.count(pulled_blocks=ok)
         self.kv.log_event({"event": "pull", "req_id": t.req_id, "de": r.de, "background": True,
                            "first_block": t.first_block, "blocks": len(t.block_ids), "ok": ok})
         return ok
@@ -174,10 +164,9 @@ class PrefillRemote:
             try:
                 client, _ = self._peer(r.de)
                 t = r.blocks
-                client.send("stage", xfer=r.xfer, first_block=t.first_block,
-                            keys=[k.hex() for k in t.keys])
+                client.send(Stage(r.xfer, t.first_block, t.keys))
                 self._requested.add(id(r))
-            except (SideChannelError, LinkError, OSError):
+            except (SideChannelError, TransferError, OSError):
                 self._drop_peer(r.de)  # load() retries on a new connection
 
     def load(self) -> None:
@@ -189,27 +178,24 @@ class PrefillRemote:
             try:
                 client, peer = self._peer(r.de)
                 if id(r) in requested:
-                    reply = client.receive()
+                    reply = client.receive(Staged)
                 else:
-                    reply = client.call("stage", xfer=r.xfer, first_block=t.first_block,
-                                        keys=[k.hex() for k in t.keys])
+                    reply = client.stage(r.xfer, t.first_block, t.keys)
                 if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed
                     self.note_failure(t.req_id, t.first_block)
                     continue
-                slots = [int(a) for a in reply["slots"]]
+                slots = list(reply.slots)
                 pairs = list(zip(t.block_ids, slots, strict=False))
                 for i in range(len(self._bases)):
                     pending = self.link.post("READ", peer, self._page_descs(i, pairs))
                     if pending is not None:
                         self._reads[i].append((t.req_id, pending))
-            except (SideChannelError, LinkError, OSError) as e:
-                self.kv.counters.remote_errors += 1
-                self.kv.log_event({"event": "remote_error", "req_id": t.req_id, "op": "stage",
-                                   "error": str(e)})
+            except (SideChannelError, TransferError, OSError) as e:
+                self.kv.remote_error(t.req_id, "stage", str(e))
                 self._drop_peer(r.de)
                 slots = []
             ok = len(slots)
-            self.kv.counters.pulled_blocks += ok
+            self.kv.count(pulled_blocks=ok)
             if ok < len(t.block_ids):
                 self.kv.report_load_error(t.req_id, t.block_ids[ok])
                 self.note_failure(t.req_id, t.first_block + ok)
@@ -223,10 +209,8 @@ class PrefillRemote:
         for req_id, pending in self._reads.pop(i, ()):
             try:
                 pending.wait()
-            except LinkError as e:
-                self.kv.counters.remote_errors += 1
-                self.kv.log_event({"event": "remote_error", "req_id": req_id, "op": "read",
-                                   "error": str(e)})
+            except TransferError as e:
+                self.kv.remote_error(req_id, "read", str(e))
                 first = next(r for r in self._plan.remote_loads if r.blocks.req_id == req_id)
                 self.kv.report_load_error(req_id, first.blocks.block_ids[0])
                 self.note_failure(req_id, first.blocks.first_block)
@@ -245,7 +229,7 @@ class PrefillRemote:
             try:
                 pending = self.link.post("WRITE", self._peer(p.de)[1],
                                          self._page_descs(i, slots))
-            except (SideChannelError, LinkError, OSError) as e:
+            except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
             if pending is not None:
@@ -262,18 +246,16 @@ class PrefillRemote:
                 indices = sorted(set(indices) | set(range(fail, p.hit_blocks)))
             try:
                 client, _ = self._peer(p.de)
-                reply = client.call("alloc", xfer=p.xfer, blocks=indices)
-            except (SideChannelError, LinkError, OSError) as e:
+                addresses = client.alloc(p.xfer, indices)
+            except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
             self._push_slots[p.req_id] = [
-                (p.block_ids[b], int(a)) for b, a in zip(indices, reply["slots"], strict=True)]
+                (p.block_ids[b], a) for b, a in zip(indices, addresses, strict=True)]
 
     def _push_failed(self, p: Push, e: Exception) -> None:
         self._push_slots.pop(p.req_id, None)
-        self.kv.counters.remote_errors += 1
-        self.kv.log_event({"event": "remote_error", "req_id": p.req_id, "op": "push",
-                           "error": str(e)})
+        self.kv.remote_error(p.req_id, "push", str(e))
 
     def flush(self) -> None:
         """Wait for the pushes and commit them (after the forward)."""
@@ -281,7 +263,7 @@ class PrefillRemote:
         for p, pending in self._writes:
             try:
                 pending.wait()
-            except LinkError as e:
+            except TransferError as e:
                 failed.add(p.req_id)
                 self._push_failed(p, e)
         for p in self._plan.pushes:
@@ -289,11 +271,11 @@ class PrefillRemote:
             if not slots or p.req_id in failed:
                 continue
             try:
-                self._peer(p.de)[0].call("commit", xfer=p.xfer)
+                self._peer(p.de)[0].commit(p.xfer)
             except (SideChannelError, OSError) as e:
                 self._push_failed(p, e)
                 continue
-            self.kv.counters.pushed_blocks += len(slots)
+            self.kv.count(pushed_blocks=len(slots))
             with self._lock:
                 self._fail_from.pop(p.req_id, None)
             self.kv.log_event({"event": "push", "req_id": p.req_id, "de": p.de,
@@ -369,7 +351,7 @@ class AsyncLoader:
         with self._lock:
             if ok < len(t.block_ids):
                 self._errors.add(t.block_ids[ok])
-                self.kv.counters.load_errors += 1
+                self.kv.count(load_errors=1)
             self._outstanding[req_id] -= 1
             if self._outstanding[req_id] == 0:
                 del self._outstanding[req_id]
@@ -394,7 +376,7 @@ class AsyncLoader:
 
 class Slots(Protocol):
     """A decode node's staging buffer as its worker sees it (`StagingPool` in process,
-    `side_channel.RemotePool` across the process boundary)."""
+    `side_channel.client.RemotePool` across the process boundary)."""
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]: ...
 
@@ -422,9 +404,7 @@ class DecodeRemote:
             try:
                 slots = self.pool.lookup(x.xfer, list(blocks))
             except (SideChannelError, OSError) as e:
-                self.kv.counters.remote_errors += 1
-                self.kv.log_event({"event": "remote_error", "req_id": x.req_id,
-                                   "op": "lookup", "error": str(e)})
+                self.kv.remote_error(x.req_id, "lookup", str(e))
                 slots = [None] * len(blocks)
             ok = 0
             for block_id, slot in zip(x.block_ids, slots, strict=True):
@@ -433,7 +413,7 @@ class DecodeRemote:
                     break
                 self._staged.append((block_id, self.pool.view(slot)))
                 ok += 1
-            self.kv.counters.xfer_loaded_blocks += ok
+            self.kv.count(xfer_loaded_blocks=ok)
             self.kv.log_event({"event": "xfer_load", "req_id": x.req_id, "xfer": x.xfer,
                                "first_block": x.first_block, "blocks": len(x.block_ids),
                                "ok": ok})

@@ -1,0 +1,140 @@
+"""The staging service as a process of its own, and its size.
+
+A vLLM worker process keeps its main thread busy between steps, which starves any other
+Python thread in it for up to seconds; so the decode instance's staging service runs in a
+process of its own (spawned by the decode worker's connector, exiting with it), with the
+staging buffer in shared memory that both map: the service stages, the prefill side's NIXL
+agent reads and writes it, the decode worker copies from it into its paged KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.connector.side_channel.client import (
+    RemotePool,
+    SideChannelClient,
+)
+from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus, run_on
+from dualpath.integrations.vllm.connector.side_channel.messages import SideChannelError
+from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.transport.nixl import NixlAgent, agent_name
+from dualpath.transport.pacing import Pacer
+from dualpath.transport.slots import SlotPool
+
+SHM_PREFIX = "dualpath-staging-"
+
+DEFAULT_STAGING_GB = 2.0
+"""The staging buffer's default size. It must hold the KV of every prompt in flight between
+the prefill and this decode instance: a 70B dense GQA model (64 layers, 8 KV heads, bf16) takes
+320 KiB a token, so 2 GB hold about 6K tokens."""
+
+
+def staging_slots(full_block_bytes: int, staging_gb: float | None = None,
+                  staging_blocks: int | None = None) -> int:
+    """The staging buffer's slots: `staging_blocks` when given, else as many Full Blocks as
+    `staging_gb` (default `DEFAULT_STAGING_GB`) hold."""
+    if staging_blocks is not None:
+        if int(staging_blocks) < 1:
+            raise ValueError(f"staging_blocks must be >= 1, got {staging_blocks}")
+        return int(staging_blocks)
+    gb = DEFAULT_STAGING_GB if staging_gb is None else float(staging_gb)
+    num = int(gb * 1e9) // full_block_bytes
+    if num < 1:
+        raise ValueError(f"staging_gb={gb:g} holds no Full Block of {full_block_bytes} B")
+    return num
+
+
+def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num_slots: int,
+                       storage_read_gbps: float | None, event_log: str | None,
+                       namespace: str, timeout_s: float = 120.0,
+                       command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+                       ) -> tuple[subprocess.Popen[bytes], RemotePool]:
+    """Start the side-channel process on `address`; returns it and the worker's pool view.
+    `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
+    on the cores of this instance (`instance_cpus`)."""
+    cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+    cmd = [*command_prefix, sys.executable, "-m", __name__,
+           "--address", address, "--store", store_root, "--full-block-bytes",
+           str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
+           "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus))]
+    if storage_read_gbps:
+        cmd += ["--storage-read-gbps", str(storage_read_gbps)]
+    if event_log:
+        cmd += ["--event-log", event_log]
+    proc = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SideChannelError(f"side channel process on {address} exited with "
+                                   f"{proc.returncode}")
+        try:
+            client = SideChannelClient(address)
+            welcome = client.hello()
+            break
+        except (OSError, SideChannelError):
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SideChannelError(f"side channel on {address} did not start in "
+                                       f"{timeout_s:.0f} s") from None
+            time.sleep(0.2)
+    return proc, RemotePool(client, welcome)
+
+
+def _main() -> None:
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description="DualPath's decode-side staging buffer service "
+                                 "(started by DualPathConnector on a decode instance)")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--full-block-bytes", type=int, required=True)
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--namespace", default="")
+    ap.add_argument("--storage-read-gbps", type=float)
+    ap.add_argument("--event-log")
+    ap.add_argument("--parent", type=int, help="exit when this process is gone")
+    ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
+    args = ap.parse_args()
+    if args.cpus:
+        run_on(args.cpus)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # clean up the shared memory
+    slots = SlotPool(f"{SHM_PREFIX}{os.getpid()}", args.full_block_bytes, args.slots)
+    slots.touch()  # first touch here, once
+    pool = StagingPool(slots)
+    store = BlockStore(args.store, args.full_block_bytes, is_durable=False)
+    agent = NixlAgent(agent_name("decode"), progress_thread=True)  # the prefill side's target
+    agent.register([(pool.base, slots.capacity_bytes)])
+    log_path = args.event_log
+
+    def log(record: dict[str, Any]) -> None:
+        if log_path:
+            line = json.dumps({"t": round(time.time(), 3), "process": "side_channel",
+                               **record}) + "\n"
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    channel = DecodeSideChannel(
+        args.address, pool, store, agent.metadata(), agent.connect, namespace=args.namespace,
+        pacer=Pacer.from_gbps(args.storage_read_gbps, "storage_read")
+        if args.storage_read_gbps else None, log=log)
+    try:
+        while args.parent is None or os.getppid() == args.parent:
+            time.sleep(0.5)
+    finally:
+        channel.close()
+        agent.close()
+        pool.close()  # unlinks the segment, unless the decode worker already did
+
+
+if __name__ == "__main__":
+    _main()

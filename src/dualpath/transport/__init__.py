@@ -1,0 +1,15 @@
+"""The data plane both real worlds (the runtime and the vLLM integration) stand on, written once.
+
+- `errors.py`  TransferError (a transfer failed, timed out or addressed unregistered bytes),
+               BufferFullError (a slot pool refused an allocation).
+- `nixl.py`    one NIXL agent (UCX): memory registered as DRAM or VRAM, peers, READ/WRITE
+               batches posted now and waited for with a timeout and backoff; its progress
+               thread sleeps in poll() instead of spinning.
+- `pacing.py`  one token-bucket pacer: an emulated NIC direction's FIFO clock, booked before
+               the real I/O so the two overlap.
+- `slots.py`   one pool of fixed-size slots (Full Blocks) in a shared-memory segment: held
+               until freed, blocking or refusing when full, sized in bytes or slots.
+
+Below `runtime` and `integrations`, above `sched` and `core`; it imports neither world
+(import-linter keeps both rules).
+"""
