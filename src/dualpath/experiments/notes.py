@@ -74,7 +74,7 @@ These causes apply to every section; each section's tables show how large the di
    implies a smaller KV per token for DeepSeek-V3.2 than our preset stores.
 9. **The +layerwise ablation step.** Without layerwise prefill a prefill engine must hold a
    request's whole KV in HBM: our Basic reads land in the PE's HBM, which holds each request's
-   KV from its read's start until it has left for the decode side (`sim.simulator`,
+   KV from its read's start until it has left for the decode side (`sim.handlers`,
    `_first_hbm_fit`). That never binds the storage NIC: its node's eight engines keep enough
    reads queued even when each holds one or two requests. DS 660B 2P4D, 64K, 1,024 agents:
    Basic's JCT is within 1% of +layerwise's with a prefill engine's HBM room for KV set to

@@ -12,9 +12,14 @@ Module map (the pipeline is the file list):
     flows.py      links and flows; weighted max-min rates on tight links, recomputed locally
     workload.py   turns as numpy arrays: Table-2 agents, hand-made lists, Mooncake traces
     config.py     frozen SimConfig: cluster, Mode (sched.mode), SimParams, Driver, seed
-    state.py      run-time Req, Node (storage-NIC FIFO, DRAM, buffer), Engine (CNIC, HBM)
+    state.py      run-time Req, Node (storage-NIC FIFO, DRAM, buffer), Engine (CNIC, HBM),
+                  prefill and decode groups, the TTFT log
     policy.py     the adapter around dualpath.sched's Scheduler (never a policy of its own)
-    simulator.py  drivers, DE/PE dispatch, reads, prefill steps, decode epochs, persistence
+    cluster.py    the topology a SimConfig describes: nodes, engines, links, engine groups
+    handlers.py   a turn event by event: DE/PE dispatch, reads, prefill steps, copy-in and
+                  persistence, decode epochs, finish
+    drivers.py    arrivals (offline, online, trace replay) and the online stop rules
+    simulator.py  Simulator / simulate: a cluster, its handlers and a driver on one event loop
     result.py     SimResult: per-request records, JCT, TTFT parts, utilization, balance
 """
 

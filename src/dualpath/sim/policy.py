@@ -4,8 +4,8 @@ stateful `Scheduler`.
 Every decision (DE group, DE engine, PE engine, read path, forward-batch packing) and every queue
 it serves (global, private, PE) lives in `dualpath.sched`; this module only builds the scheduler
 the mode asks for (policy family, path mode, block size) and the simulator's forward-batch
-packing around `sched.batching`. The simulator (`simulator.py`, `_dispatch_de` / `_dispatch_pe`)
-turns its engines into reports and applies the decisions.
+packing around `sched.batching`. The simulator's event handlers (`handlers.py`, `_dispatch_de` /
+`_dispatch_pe`) turn its engines into reports and apply the decisions.
 """
 
 from __future__ import annotations

@@ -7,17 +7,18 @@ import csv
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
     from dualpath.sched.mode import Mode
-    from dualpath.sim.config import SimConfig, SimParams
+    from dualpath.sim.cluster import Cluster
+    from dualpath.sim.config import SimConfig
     from dualpath.sim.flows import FlowNet, Link
+    from dualpath.sim.handlers import Handlers
     from dualpath.sim.kernel import EventLoop
-    from dualpath.sim.state import Node, Req
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -205,47 +206,13 @@ def _mean(x: FloatArray) -> float:
     return float(np.mean(x)) if len(x) else 0.0
 
 
-class FinishedRun(Protocol):
-    """What `build_result` reads of a finished run (a `simulator.Simulator`, which imports this
-    module: the result does not import it back)."""
-
-    @property
-    def config(self) -> SimConfig: ...
-    @property
-    def mode(self) -> Mode: ...
-    @property
-    def params(self) -> SimParams: ...
-    @property
-    def loop(self) -> EventLoop: ...
-    @property
-    def net(self) -> FlowNet: ...
-    @property
-    def links(self) -> list[Link]: ...
-    @property
-    def nodes(self) -> list[Node]: ...
-    @property
-    def reqs(self) -> list[Req]: ...
-    @property
-    def kv_bpt(self) -> float: ...
-    @property
-    def cnic_bytes_per_s(self) -> float: ...
-    @property
-    def stop_reason(self) -> str: ...
-    @property
-    def attn_ratio_sum(self) -> float: ...
-    @property
-    def attn_ratio_steps(self) -> int: ...
-    @property
-    def attn_ratio_first(self) -> list[float]: ...
-    @property
-    def num_prefill_steps(self) -> int: ...
-
-
-def build_result(sim: FinishedRun) -> SimResult:
-    """Collect a finished `Simulator` into a `SimResult` (closing every link's accounting)."""
-    now = sim.loop.now_s
-    reqs = sim.reqs
-    for link in sim.links:
+def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: EventLoop,
+                 net: FlowNet, stop_reason: str) -> SimResult:
+    """Collect a finished run (a `simulator.Simulator`'s parts: this module does not import
+    it back) into a `SimResult`, closing every link's accounting."""
+    now = loop.now_s
+    reqs = handlers.reqs
+    for link in cluster.links:
         link.close_segment(now)
     ints = {
         "request_id": [r.request_id for r in reqs], "agent": [r.agent for r in reqs],
@@ -273,37 +240,36 @@ def build_result(sim: FinishedRun) -> SimResult:
     done = records["done_s"]
     jct = float(done.max()) if len(done) and (done >= 0).all() else now
     duration = max(now, 1e-12)
-    by_kind: dict[str, list[object]] = {}
-    for link in sim.links:
+    by_kind: dict[str, list[Link]] = {}
+    for link in cluster.links:
         by_kind.setdefault(link.kind, []).append(link)
     resources: dict[str, ResourceUsage] = {}
-    bin_s = sim.params.utilization_bin_s
-    for kind, group in by_kind.items():
-        links = [lk for lk in sim.links if lk.kind == kind]
-        cap = links[0].capacity_bytes_per_s
-        nominal = [_nominal(sim, lk.kind, lk.capacity_bytes_per_s) for lk in links]
-        utils = [lk.bytes_carried / (c * duration) for lk, c in zip(links, nominal, strict=True)]
+    bin_s = config.params.utilization_bin_s
+    cnic = cluster.cnic_bytes_per_s
+    for kind, links in by_kind.items():
+        cap = _nominal(cnic, kind, links[0].capacity_bytes_per_s)
+        utils = [lk.bytes_carried / (_nominal(cnic, kind, lk.capacity_bytes_per_s) * duration)
+                 for lk in links]
         series_all = [lk.utilization_series(duration) for lk in links]
         series = tuple(float(np.mean(col)) for col in zip(*series_all, strict=True))
         resources[kind] = ResourceUsage(
-            kind, len(links), _nominal(sim, kind, cap), sum(lk.bytes_carried for lk in links),
+            kind, len(links), cap, sum(lk.bytes_carried for lk in links),
             float(np.mean(utils)), float(max(utils)), max(lk.peak_utilization for lk in links),
             series,
         )
-        del group
-    read_bytes = tuple(float(n.read_tokens_total * sim.kv_bpt) for n in sim.nodes)
+    read_bytes = tuple(float(n.read_tokens_total * cluster.kv_bpt) for n in cluster.nodes)
     mean_read = sum(read_bytes) / len(read_bytes)
     snic_ratio = max(read_bytes) / mean_read if mean_read > 0 else 1.0
-    ratios = sim.attn_ratio_first
+    ratios = handlers.attn_ratio_first
     first = ratios[: max(1, len(ratios) // 20)] if ratios else []
     return SimResult(
-        mode=_mode_name(sim),
-        cluster=sim.config.cluster.label,
+        mode=_mode_name(config.mode),
+        cluster=config.cluster.label,
         duration_s=now,
         jct_s=jct,
         num_requests=len(reqs),
         num_completed=int((done >= 0).sum()),
-        stop_reason=sim.stop_reason or (
+        stop_reason=stop_reason or (
             "completed" if all(r.done_at >= 0.0 for r in reqs) else "stalled"
         ),
         records=records,
@@ -311,32 +277,31 @@ def build_result(sim: FinishedRun) -> SimResult:
         utilization_bin_s=bin_s,
         storage_read_bytes_by_node=read_bytes,
         storage_read_series_by_node=tuple(
-            tuple(n.snic_read.utilization_series(duration)) for n in sim.nodes
+            tuple(n.snic_read.utilization_series(duration)) for n in cluster.nodes
         ),
         storage_nic_max_over_avg=snic_ratio,
-        attention_max_over_avg=(sim.attn_ratio_sum / sim.attn_ratio_steps
-                                if sim.attn_ratio_steps else 1.0),
+        attention_max_over_avg=(handlers.attn_ratio_sum / handlers.attn_ratio_steps
+                                if handlers.attn_ratio_steps else 1.0),
         attention_max_over_avg_first5=(sum(first) / len(first) if first else 1.0),
-        buffer_peak_bytes_by_node=tuple(n.buffer_peak_bytes for n in sim.nodes),
-        num_prefill_steps=sim.num_prefill_steps,
-        num_events=sim.loop.num_events,
-        num_flow_recomputes=sim.net.num_recomputes,
+        buffer_peak_bytes_by_node=tuple(n.buffer_peak_bytes for n in cluster.nodes),
+        num_prefill_steps=handlers.num_prefill_steps,
+        num_events=loop.num_events,
+        num_flow_recomputes=net.num_recomputes,
     )
 
 
-def _nominal(sim: FinishedRun, kind: str, cap: float) -> float:
+def _nominal(cnic_bytes_per_s: float, kind: str, cap: float) -> float:
     # Compute-NIC capacities drop while inference traffic holds the high-priority class;
     # utilization is reported against the nominal (full) capacity.
     if kind.endswith(("cnic_read", "cnic_write")):
-        return sim.cnic_bytes_per_s
+        return cnic_bytes_per_s
     return cap
 
 
-def _mode_name(sim: FinishedRun) -> str:
+def _mode_name(m: Mode) -> str:
     from dualpath.sim.config import MODE_PRESETS
 
     for name, mode in MODE_PRESETS.items():
-        if mode == sim.mode:
+        if mode == m:
             return name
-    m = sim.mode
     return f"layerwise={m.is_layerwise},paths={m.paths},scheduler={m.scheduler},io={m.io}"

@@ -1,4 +1,5 @@
-"""Mutable run-time state of the simulated cluster: requests, nodes, engines, links.
+"""Mutable run-time state of the simulated cluster: requests, nodes, engines, engine groups,
+the prefill-completion log.
 
 Block-state invariant (ARCHITECTURE.md), as the simulator tracks it per request: the hit blocks
 are persisted only, then being read into one node buffer (or two, for a split read), then in that
@@ -9,7 +10,9 @@ being persisted. A buffer is released only after its successor holds the blocks.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from enum import Enum
 
 from dualpath.sim.flows import Link
 
@@ -183,3 +186,80 @@ class Engine:
         self.is_persisting = False
         self.decode_step_s = 0.0
         """DE: the cost model's step time for the current decode batch (cached)."""
+
+
+class StepPart(Enum):
+    """A part of a prefill step that ends on its own event; the step ends when none is left."""
+
+    COMPUTE = 1
+    """The forward pass (a timer)."""
+    KV_FLOW = 2
+    """Layerwise prefill: the step's KV streaming in and out (one flow)."""
+
+
+class PrefillGroup:
+    """Engines that run prefill steps together: a node when its engines are synchronized
+    (expert parallel), else one engine. One step at a time."""
+
+    __slots__ = ("compute_pending", "engines", "idx", "is_busy", "kv_flow_pending", "outbound",
+                 "step")
+
+    def __init__(self, idx: int, engines: list[int]) -> None:
+        self.idx = idx
+        self.engines = engines
+        self.is_busy = False
+        self.compute_pending = False
+        self.kv_flow_pending = False
+        self.step: list[tuple[Req, int]] = []
+        """The running step: (request, new tokens of its chunk)."""
+        self.outbound: dict[Link, float] | None = None
+        """Without layerwise prefill: bytes the step sends to the DE buffers once computed."""
+
+
+class DecodeGroup:
+    """Engines that decode in lockstep (as `PrefillGroup`), in epochs between membership
+    changes: within an epoch the step time is constant, so the step count at time `t` is
+    `anchor_steps + (t - anchor_s) / step_s`."""
+
+    __slots__ = ("anchor_s", "anchor_steps", "engines", "handle", "members", "step_s")
+
+    def __init__(self, engines: list[int]) -> None:
+        self.engines = engines
+        self.members: list[tuple[float, int, Req]] = []
+        """Heap of (finish step, request id, request): members leave only by finishing."""
+        self.step_s = 0.0
+        self.anchor_s = 0.0
+        self.anchor_steps = 0.0
+        self.handle = 0
+        """The event loop handle of the next completion (0: none scheduled)."""
+
+    def steps_at(self, now_s: float) -> float:
+        """Decode steps the group has run by `now_s` (a fraction within a step)."""
+        if self.step_s <= 0:
+            return self.anchor_steps
+        return self.anchor_steps + (now_s - self.anchor_s) / self.step_s
+
+
+class TtftLog:
+    """Prefill completions in time order with running TTFT sums (the online stop rules)."""
+
+    __slots__ = ("done_at", "max_ttft_s", "sums")
+
+    def __init__(self) -> None:
+        self.done_at: list[float] = []
+        """Completion times of prefills, non-decreasing."""
+        self.sums: list[float] = [0.0]
+        """`sums[i]`: the TTFTs of the first `i` prefills added up."""
+        self.max_ttft_s = 0.0
+
+    def add(self, arrived_at: float, done_at: float) -> None:
+        self.done_at.append(done_at)
+        self.sums.append(self.sums[-1] + done_at - arrived_at)
+        if done_at - arrived_at > self.max_ttft_s:
+            self.max_ttft_s = done_at - arrived_at
+
+    def mean_ttft_s(self, lo_s: float, hi_s: float) -> float:
+        """Mean TTFT of the prefills that completed in [lo_s, hi_s)."""
+        lo = bisect.bisect_left(self.done_at, lo_s)
+        hi = bisect.bisect_left(self.done_at, hi_s)
+        return (self.sums[hi] - self.sums[lo]) / (hi - lo) if hi > lo else 0.0
