@@ -98,7 +98,7 @@ class World:
 
 
 class SimSide:
-    """The simulator's adapter, driven the way `Simulator._dispatch_de/_pe` drive it."""
+    """The simulator's adapter, driven the way `sim.handlers.Handlers._dispatch_de/_pe` drive it."""
 
     def __init__(self, mode: str, params: SchedulerParams, g: int = G) -> None:
         hw, model = hardware_preset("h800-deepseek"), model_preset("ds-27b")
