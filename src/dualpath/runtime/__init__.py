@@ -6,8 +6,9 @@ Never imports `dualpath.sim`. Its files, each importing only those before it (an
 - layout:    `kvlayout` (Full / Layer Block bytes; the store itself is `dualpath.core.store`).
 - the model: the `model` subpackage (GGUF reading, tokenizer, sampling, the Llama forward,
              a DE's paged KV, weights, what a node builds its model from).
-- transport: `traffic` (rate-limited NIC ports), `buffers` (a node's DRAM pool), `transfer`
-             (NIXL or shared memory), `messages` (typed messages and their queue).
+- transport: `traffic` (rate-limited NIC ports on `dualpath.transport.pacing`), `transfer`
+             (the transport's NIXL agent, or shared memory; a node's DRAM pool is a
+             `dualpath.transport.slots.SlotPool`), `messages` (typed messages and their queue).
 - scheduler: `scheduler_process` (the process around `dualpath.sched`), `estimator` (PE pass
              times).
 - a node:    `node_context` (what its threads share), `storage_io` (storage reader / writer),
