@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,20 @@ def test_missing_ray_is_one_line_naming_the_extra(
     assert main(["reproduce", "fig8", "--ray", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith(RAY_EXTRA), err
+
+
+def test_an_address_where_no_head_answers_is_one_line_at_once() -> None:
+    # In a child process: this one imports ray only once the cluster fixture has set its token.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        r = subprocess.run([sys.executable, "-m", "dualpath.cli.main", "simulate", "--agents",
+                            "2", "--ray", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                           timeout=60, check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"dualpath simulate: error: --ray 127.0.0.1:{port}: no Ray head answers there "
+        "([Errno 111] Connection refused)")
 
 
 def test_simulate_modes_on_ray_equal_a_serial_run(ray_head: str, tmp_path: Path) -> None:

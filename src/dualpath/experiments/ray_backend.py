@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 import sys
 import time
@@ -108,6 +109,21 @@ def mismatches(driver: NodeFingerprint, nodes: dict[str, NodeFingerprint | str])
     return out
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
+def _probe(address: str) -> None:
+    """Fail at once, by name, when nothing listens at a HOST:PORT address (Ray itself keeps
+    retrying for minutes); `auto` and `local` are Ray's to resolve."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise RayError(f"--ray {address}: no Ray head answers there ({e})") from None
+
+
 def _on_node(fn: Callable[[T], R], item: T) -> tuple[str, R]:
     """`fn(item)` and the id of the node it ran on (the task Ray runs)."""
     import ray
@@ -139,6 +155,7 @@ class RayBackend:
         """Join the cluster at `address` (`auto`, `host:port`, or `local` to start one here
         with `num_cpus`), then check its nodes' dualpath; a node that differs is named."""
         ray = import_ray()
+        _probe(os.environ.get("RAY_ADDRESS") or address if address == "auto" else address)
         if ray.is_initialized():
             ray.shutdown()
         try:
