@@ -85,8 +85,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="port (default: %(default)s; 0: any free port, printed at start)")
     h.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
                    help="callers must send 'Authorization: Bearer KEY' (also read from "
-                   f"${API_KEY_ENV}; default: no key). /health, /version, /metrics, /docs and "
-                   "/openapi.json stay open")
+                   f"${API_KEY_ENV}; default: no key). /health, /metrics, /docs and /openapi.json "
+                   "stay open")
     h.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
     p.set_defaults(func=route)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -401,3 +404,31 @@ def test_slow_and_idle_clients_are_cut_at_the_timeout(store: tuple[Path, StoreMa
         conn.getresponse().read()
         assert conn.sock is not None and conn.sock.recv(1) == b""
         conn.close()
+
+
+def test_the_route_command_refuses_50_mb_and_stops_on_sigint(
+        store: tuple[Path, StoreManifest]) -> None:
+    # `dualpath route` itself, in its own process: the body is refused before any instance
+    # is asked (none listens on port 9).
+    dead = "http://127.0.0.1:9"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dualpath.cli.main", "route", "--store", str(store[0]),
+         "--prefill", dead, "--decode", dead, "--side", "127.0.0.1:9", "--port", "0"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "dualpath route: http://" not in line:
+            line = proc.stderr.readline()
+            assert line, "the router exited before it served"
+        url = line.split("dualpath route: ", 1)[1].split("/v1", 1)[0]
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * BIG_BYTES}]}
+        with httpx2.Client(base_url=url, timeout=WAIT_S) as client:
+            resp = client.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 413 and "at most" in resp.json()["error"]["message"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
