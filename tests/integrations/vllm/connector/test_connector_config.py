@@ -56,3 +56,60 @@ def test_vllm_turns_full_cuda_graphs_into_piecewise_for_the_connector(tmp_path: 
 
     assert mode(None) == CUDAGraphMode.FULL_AND_PIECEWISE  # what it would be without us
     assert mode(transfer_config(tmp_path)) == CUDAGraphMode.PIECEWISE
+
+
+def test_vllm_gives_the_connector_lbhnc_where_flash_attention_would_get_lbnhc(
+        tmp_path: Path) -> None:
+    """CUDA FlashAttention declares no KV cache layout; vLLM's default for it is LBNHC (a
+    page token-major), which raw page transfers cannot use. The connector's declaration wins."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    supported = [[x.name for x in get_supported_kv_cache_layouts([FlashAttentionBackend])]]
+    assert resolve_kv_cache_layout(VllmConfig(), supported).name == "LBNHC"
+    with_connector = VllmConfig(kv_transfer_config=transfer_config(tmp_path))
+    assert resolve_kv_cache_layout(with_connector, supported).name == "LBHNC"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_vllms_own_kv_views_of_a_70b_rank_give_raw_pages(tp: int) -> None:
+    """vLLM's allocation (`create_kv_cache_views`) of a 70B rank's KV (64 layers, 8 KV heads /
+    TP, head 128, bf16, 16-token blocks): in LBHNC (and block-outermost BLHNC) every page is
+    one dense run at `address + block * block_stride_bytes`; LBNHC is refused unless a page
+    has one head."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from dualpath.integrations.vllm.connector.kvio import LayoutError, paged_kv_bases
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=128,
+                             dtype=torch.bfloat16)
+    num_layers, num_blocks = 64, 3
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    for layout in (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, KVCacheLayout.LBNHC):
+        layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, num_layers,
+                                                                layout)
+        raw = torch.zeros(num_layers * num_blocks * spec.page_size_bytes, dtype=torch.int8)
+        views = dict(zip(names, create_kv_cache_views(
+            raw, spec, num_blocks, layout,
+            KVCacheTensor(size=raw.numel(), layers=names, layer_stride=layer_stride,
+                          block_stride=block_stride, offset=0)), strict=True))
+        if layout == KVCacheLayout.LBNHC and tp < 8:
+            with pytest.raises(LayoutError, match="LBHNC"):
+                paged_kv_bases(views, names, spec.page_size_bytes)
+            continue
+        for name, at in zip(names, paged_kv_bases(views, names, spec.page_size_bytes),
+                            strict=True):
+            for block in range(num_blocks):
+                page = views[name][block]
+                assert page.is_contiguous()
+                assert at.address + block * at.block_stride_bytes == page.data_ptr()

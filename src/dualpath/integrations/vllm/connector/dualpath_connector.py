@@ -10,8 +10,9 @@ Register it with
 Extra config: `store_path` (required; a folder, local or a shared mount), `durable` (fsync
 each block, default true), `event_log` (a JSON-lines file of loads and saves, default none),
 `background_saves` (write new blocks from a writer thread, not in the step; default true on a
-decode instance, false otherwise), `staging_gb` or `staging_blocks` (a decode instance's staging
-buffer, in GB, default 2, or in Full Blocks).
+decode instance, false otherwise), `read_threads` / `write_threads` (store reads and writes
+in flight per worker, default 16 / 4), `staging_gb` or `staging_blocks` (a decode instance's
+staging buffer, in GB, default 2, or in Full Blocks).
 
 On every instance, every full block of every request is persisted when the step that
 computes its last token ends; a later request whose prefix is
@@ -28,7 +29,7 @@ This module imports vllm; `plan` and `kvio` hold the logic and import without it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,7 @@ from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
     staging_slots,
 )
-from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 from dualpath.transport.pacing import Pacer
 
 if TYPE_CHECKING:
@@ -88,6 +89,20 @@ class _Layout:
     layer_names: list[str]
     page_bytes: int
     namespace: bytes
+
+
+def _worker_shard(tp_size: int, pp_size: int) -> Shard:
+    """This worker's tensor- and pipeline-parallel ranks (vLLM's parallel state, set up before
+    a worker's connector is made)."""
+    if tp_size * pp_size == 1:
+        return Shard()
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+    )
+
+    return Shard(get_tensor_model_parallel_rank(), tp_size, get_pp_group().rank_in_group,
+                 pp_size)
 
 
 def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Layout:
@@ -122,6 +137,19 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attention runs outside the captured pieces and the hooks run around it."""
         return True
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """LBHNC (vLLM's HND): each block's page of a layer is one contiguous run in logical
+        `[H, N, C]` order. The store's payload is that logical order, and NIXL moves raw page
+        bytes between the decode node's staging slots and the prefill node's paged KV, so the
+        physical order of a page must be the logical one (`kvio.paged_kv_bases` refuses any
+        other). vLLM's CUDA FlashAttention declares no layout and would get LBNHC (NHD, heads
+        and tokens swapped inside a page). MLA's pages have one head: any order is the same."""
+        model_config = vllm_config.model_config
+        if model_config is not None and getattr(model_config, "use_mla", False):
+            return None
+        return "LBHNC"
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -154,14 +182,24 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # its own (the worker reads the store only for requests without the router's orders).
         self._pacer = Pacer.from_gbps(self._storage_read_gbps, "storage_read") \
             if self._storage_read_gbps and role != KVConnectorRole.SCHEDULER else None
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
+        pp_size = int(parallel.pipeline_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
+            # Keys are rank-agnostic here; a block is stored once its last shard is (the one
+            # rule the router applies too: `StoreManifest.stored_key`).
+            manifest = StoreManifest(namespace=layout.namespace.hex(),
+                                     model=str(vllm_config.model_config.model),
+                                     block_size=layout.block_size,
+                                     full_block_bytes=self._store.full_block_bytes,
+                                     tp_size=tp_size, pp_size=pp_size)
+            store = self._store
             self._planner = Planner(
-                layout.block_size, layout.namespace, self._store.contains, role=self._pd_role,
-                async_loads=bool(extra.get_from_extra_config("async_loads", False)))
-            StoreManifest(namespace=layout.namespace.hex(),
-                          model=str(vllm_config.model_config.model),
-                          block_size=layout.block_size,
-                          full_block_bytes=self._store.full_block_bytes).write(store_path)
+                layout.block_size, layout.namespace,
+                lambda key: store.contains(manifest.stored_key(key)), role=self._pd_role,
+                async_loads=bool(extra.get_from_extra_config("async_loads", False)),
+                num_shards=tp_size * pp_size)
+            manifest.write(store_path)
         else:
             # A decode node writes its new blocks in the background by default: its steps are
             # the latency users see, and the next turn comes after a router round trip.
@@ -169,7 +207,10 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._store, layout.layer_names, layout.page_bytes,
                 event_log=extra.get_from_extra_config("event_log", None), pacer=self._pacer,
                 background_saves=bool(extra.get_from_extra_config(
-                    "background_saves", self._pd_role == "decode")))
+                    "background_saves", self._pd_role == "decode")),
+                shard=_worker_shard(tp_size, pp_size),
+                read_threads=int(extra.get_from_extra_config("read_threads", 16)),
+                write_threads=int(extra.get_from_extra_config("write_threads", 4)))
             if self._pd_role == "decode":
                 self._start_side_channel(extra)
             self._worker.log_event({"event": "init", "role": self._pd_role,
@@ -177,6 +218,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                     "block_size": layout.block_size,
                                     "full_block_bytes": self._store.full_block_bytes,
                                     "layers": len(layout.layer_names),
+                                    "shard": asdict(self._worker.shard),
                                     "side_channel": self.side_channel_address})
         logger.info("DualPathConnector (%s, %s): store %s, %d layers x %d B pages, block %d "
                     "tokens", role.name, self._pd_role, store_path, len(layout.layer_names),
@@ -193,6 +235,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not address:
             raise ValueError("DualPathConnector with kv_role kv_consumer (a decode instance) "
                              "needs kv_connector_extra_config.side_channel, host:port")
+        # Each rank serves its own shards' staging buffer, on the instance's port + its index.
+        address = self._worker.shard.side_channel(str(address))
         self._side_process, pool = spawn_side_channel(
             str(address), str(self._store.root), self._store.full_block_bytes,
             staging_slots(self._store.full_block_bytes,

@@ -28,24 +28,81 @@ Per step (`bind` .. `finish_step`), in vLLM's calling order:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.manifest import Shard
 from dualpath.transport.pacing import Pacer
+
+
+def wait_for_device(t: torch.Tensor) -> None:
+    """Return once the work queued so far on the current stream of `t`'s GPU is done (a CUDA
+    event recorded now, waited for); at once for a CPU tensor. Anything that reads `t`'s memory
+    behind the stream's back (a NIXL WRITE, a copy on another stream) waits for this first."""
+    if t.is_cuda:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(t.device))
+        event.synchronize()
 
 
 class LayoutError(ValueError):
     """A paged KV tensor does not match the layout the store was opened for."""
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """Where one layer's pages lie in memory, for transfers that move raw page bytes (NIXL)."""
+
+    address: int
+    """Of block 0's page."""
+    block_stride_bytes: int
+    """From one block's page to the next: the page itself in a layer-compact layout (LBHNC),
+    every layer's page in a block-outermost one (BLHNC)."""
+    span: torch.Tensor
+    """A 1-D view from block 0's page to the end of the last (what NIXL registers)."""
+
+
+def paged_kv_bases(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
+                   page_bytes: int) -> list[PagedLayer]:
+    """Each layer's pages for raw-byte transfers. The store's payload is a page in logical
+    `[H, N, C]` order, so raw page bytes are only right where a page is stored that way: a
+    dense run of `page_bytes` per block (any block stride). Layouts that store a page in
+    another order (LBNHC, vLLM's default for CUDA FlashAttention: heads and tokens swapped)
+    are refused; the connector asks vLLM for LBHNC (`get_required_kvcache_layout`)."""
+    layers = []
+    for name in layer_names:
+        kv = kv_caches.get(name)
+        if kv is None:
+            raise LayoutError(f"vLLM registered no KV cache for layer {name!r}")
+        size = kv.element_size()
+        if kv.dim() < 2 or kv[0].numel() * size != page_bytes:
+            raise LayoutError(f"layer {name!r}: paged KV {tuple(kv.shape)} {kv.dtype} does not "
+                              f"hold {page_bytes} B pages")
+        if not kv[0].is_contiguous():
+            raise LayoutError(
+                f"layer {name!r}: a page of the paged KV {tuple(kv.shape)} has strides "
+                f"{kv.stride()[1:]}, not its logical [H, N, C] order (KV cache layout LBHNC); "
+                "unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC")
+        stride = kv.stride(0) * size
+        if kv.shape[0] > 1 and stride < page_bytes:
+            raise LayoutError(f"layer {name!r}: blocks {stride} B apart overlap {page_bytes} "
+                              f"B pages")
+        span = (kv.shape[0] - 1) * kv.stride(0) + kv[0].numel()
+        layers.append(PagedLayer(int(kv.data_ptr()), stride,
+                                 torch.as_strided(kv, (span,), (1,))))
+    return layers
 
 
 @dataclass
@@ -71,20 +128,62 @@ class WorkerCounters:
 _COUNTERS = frozenset(f.name for f in fields(WorkerCounters))
 
 
+class _Buffers:
+    """Reusable uint8 staging buffers (pinned when the paged KV is on a GPU, so copies to it
+    are DMA), taken whole and given back: no step allocates fresh memory per block."""
+
+    def __init__(self, max_kept: int = 4) -> None:
+        self.max_kept = max_kept
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A buffer of at least `nbytes` (the smallest free one that fits, else a new one)."""
+        with self._lock:  # (by position: `==` on tensors compares their elements)
+            fits = [i for i, b in enumerate(self._free)
+                    if b.numel() >= nbytes and b.is_pinned() == pinned]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.max_kept:  # keep the largest
+                self._free.pop(min(range(len(self._free)),
+                                   key=lambda i: self._free[i].numel()))
+
+
 @dataclass
-class _Staged:
-    block_id: int
+class _Saves:
+    """A step's blocks to save: their pages gathered block-major into `rows` (one Full Block
+    per row, what `BlockStore.put` takes), handed to the writers after the forward."""
+
+    block_ids: list[int]
+    keys: list[bytes]
     buf: torch.Tensor
-    """uint8 [full_block_bytes]."""
-    key: bytes = b""
+    """The `_Buffers` buffer the rows live in (given back once every row is written)."""
+    rows: torch.Tensor
+    """uint8 [len(block_ids), full_block_bytes]."""
+    ids: dict[torch.device, torch.Tensor]
+    """`block_ids` as an index tensor on each device a layer lives on."""
+    num_unwritten: int = 0
 
 
 class KVWorker:
-    """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors."""
+    """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors.
+
+    Copies are batched: a step's loads are read straight into the paged KV where it is host
+    memory with contiguous pages (one scatter `preadv` per block, no copy), else into one
+    layer-major staging buffer (pinned) from which each layer's pages of every block go in
+    one `index_copy_`; a step's saves leave each layer's pages in one `index_select`. Reads
+    run `read_threads` at a time, writes `write_threads` at a time."""
 
     def __init__(self, store: BlockStore, layer_names: Sequence[str], page_bytes: int,
                  event_log: Path | str | None = None, pacer: Pacer | None = None,
-                 background_saves: bool = False, max_pending_saves: int = 64) -> None:
+                 background_saves: bool = False, max_pending_saves: int = 64,
+                 shard: Shard | None = None, read_threads: int = 16,
+                 write_threads: int = 4) -> None:
         if store.full_block_bytes != len(layer_names) * page_bytes:
             raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
                               f"{len(layer_names)} layers x {page_bytes} B pages were given")
@@ -95,17 +194,35 @@ class KVWorker:
         self.event_log = Path(event_log) if event_log else None
         self.pacer = pacer
         """The emulated storage NIC every store read is charged to (None: unpaced)."""
+        self.shard = shard or Shard()
+        """This worker's part of each block (TP rank, PP stage): the plan's block keys are
+        rank-agnostic, every store access goes through `shard.key` (its own files)."""
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._page_rows: list[Any] | None = None
+        """Per layer, its pages as a numpy [blocks, page_bytes] view (host KV with contiguous
+        pages: loads read straight into them), else None."""
         self._lock = threading.Lock()
         """Guards the counters and the event log (engine and background threads share them)."""
         self.counters = WorkerCounters()
         self._plan = StepPlan()
-        self._loaded: list[_Staged] = []
-        self._saves: list[_Staged] | None = None
+        self._buffers = _Buffers()
+        self._loaded_ids: list[int] = []
+        """vLLM block ids of this step's loads, in staging row order."""
+        self._staging: torch.Tensor | None = None
+        """This step's loads, layer-major uint8 [layers, rows, page_bytes] (None: read in
+        place, or nothing loaded)."""
+        self._staging_buf: torch.Tensor | None = None
+        self._loaded_index: dict[torch.device, torch.Tensor] = {}
+        self._saves: _Saves | None = None
+        self._saves_planned = False
         self._failed_reqs: set[str] = set()
         self._error_block_ids: set[int] = set()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpath-save") \
-            if background_saves else None
+        self._readers = ThreadPoolExecutor(max_workers=max(1, read_threads),
+                                           thread_name_prefix="dualpath-read")
+        self._writers = ThreadPoolExecutor(max_workers=max(1, write_threads),
+                                           thread_name_prefix="dualpath-save")
+        self.write_threads = max(1, write_threads)
+        self.is_background = background_saves
         self.max_pending_saves = max_pending_saves
         self._pending: deque[tuple[Future[None], int]] = deque()
         """Background writes not yet waited for: (future, blocks)."""
@@ -114,97 +231,178 @@ class KVWorker:
     def bind(self, plan: StepPlan) -> None:
         """Start a step with the scheduler's plan."""
         self._plan = plan
-        self._loaded = []
+        self._release_staging()
         self._saves = None
+        self._saves_planned = False
         self._failed_reqs = set()
 
     def load(self) -> None:
-        """Read every planned block from the store into staging (before the layers run)."""
+        """Read every planned block from the store (before the layers run): into the paged
+        KV itself where it is host memory with contiguous pages, else into staging. Reads run
+        in parallel; a request's blocks from its first failed one on are not used."""
+        loads = [(t, b, k) for t in self._plan.loads
+                 for b, k in zip(t.block_ids, t.keys, strict=True)]
+        if not loads:
+            return
+        in_place = self._page_rows is not None
+        staging = None
+        if not in_place:
+            pinned = self._is_cuda()
+            self._staging_buf = self._buffers.take(len(loads) * self.full_block_bytes, pinned)
+            staging = self._staging_buf[:len(loads) * self.full_block_bytes].view(
+                len(self.layer_names), len(loads), self.page_bytes)
+
+        def read(row: int, block_id: int, key: bytes) -> bool:
+            if staging is not None:
+                return self.read_block(key, [staging[i, row].numpy()
+                                             for i in range(len(self.layer_names))])
+            rows = self._page_rows
+            assert rows is not None
+            return self.read_block(key, [layer[block_id] for layer in rows])
+
+        done = self._map(self._readers, read, [(i, b, k) for i, (_, b, k) in enumerate(loads)])
+        ok_rows: list[int] = []
+        row = 0
         for t in self._plan.loads:
             n_ok = 0
-            for block_id, key in zip(t.block_ids, t.keys, strict=True):
-                buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
-                if not self.read_block(key, buf):
-                    self.report_load_error(t.req_id, block_id)
-                    break  # vLLM recomputes from the first failed block on
-                self._loaded.append(_Staged(block_id, buf))
-                n_ok += 1
+            for block_id in t.block_ids:
+                if t.req_id in self._failed_reqs:
+                    row += 1
+                    continue
+                if not done[row]:
+                    self.report_load_error(t.req_id, block_id)  # recomputed from here on
+                else:
+                    ok_rows.append(row)
+                    n_ok += 1
+                row += 1
             self.count(loaded_blocks=n_ok)
             self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
+        self._loaded_ids = [loads[r][1] for r in ok_rows]
+        if staging is not None:
+            self._staging = staging[:, ok_rows] if len(ok_rows) < len(loads) else staging
+        self._loaded_index = {}
 
-    def read_block(self, key: bytes, buf: torch.Tensor) -> bool:
-        """One Full Block from the store into `buf` (verified), through the emulated NIC."""
+    def read_block(self, key: bytes, out: Any) -> bool:
+        """This shard of block `key` from the store into `out` (a buffer, or a list of
+        buffers filled in order), verified, through the emulated NIC."""
+        key = self.shard.key(key)
+        if isinstance(out, torch.Tensor):
+            out = out.numpy()
         if self.pacer is None:
-            return bool(self.store.get_into(key, buf.numpy()))
+            return bool(self.store.get_into(key, out))
         with self.pacer.reading(self.store.full_block_bytes):
-            return bool(self.store.get_into(key, buf.numpy()))
+            return bool(self.store.get_into(key, out))
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """vLLM's paged KV tensors, for loads that write whole pages (`load_whole`)."""
+        """vLLM's paged KV tensors: loads go straight into them where they are host memory
+        with contiguous pages, and background loads (`load_whole`) write whole pages."""
         self._kv_caches = dict(kv_caches)
-
-    def write_pages(self, block_id: int, buf: torch.Tensor) -> None:
-        """Every layer's page of a staged Full Block into the paged KV."""
-        for i, name in enumerate(self.layer_names):
-            kv = self._kv_caches[name]
-            page = kv[block_id]
-            page.copy_(buf[i * self.page_bytes:(i + 1) * self.page_bytes]
-                       .view(kv.dtype).view(page.shape))
+        rows = []
+        for name in self.layer_names:
+            kv = self._kv_caches.get(name)
+            if kv is None or kv.is_cuda or kv.dim() < 2 or not kv[0].is_contiguous() \
+                    or kv[0].numel() * kv.element_size() != self.page_bytes:
+                self._page_rows = None
+                return
+            u8 = kv.view(torch.uint8)
+            rows.append(torch.as_strided(u8, (kv.shape[0], self.page_bytes),
+                                         (u8.stride(0), 1)).numpy())
+        self._page_rows = rows
 
     def load_whole(self, t: BlockTransfer) -> int:
         """A background load: read `t`'s blocks and write all their pages (the request is not
         running, so no layer waits); returns how many loaded before the first failure."""
         if not self._kv_caches:
             raise LayoutError("load_whole before vLLM registered its KV caches")
-        buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
-        n_ok = 0
-        for block_id, key in zip(t.block_ids, t.keys, strict=True):
-            if not self.read_block(key, buf):
-                break
-            self.write_pages(block_id, buf)
-            n_ok += 1
+        rows = self._page_rows
+        if rows is not None:
+            n_ok = next((j for j, (block_id, key) in enumerate(zip(t.block_ids, t.keys,
+                                                                    strict=True))
+                         if not self.read_block(key, [layer[block_id] for layer in rows])),
+                        len(t.block_ids))
+        else:
+            n_ok = self._load_whole_staged(t)
         self.count(loaded_blocks=n_ok)
         self._log("load", t, ok=n_ok, error=n_ok < len(t.block_ids), background=True)
         return n_ok
 
+    def _load_whole_staged(self, t: BlockTransfer) -> int:
+        n, num_layers = len(t.block_ids), len(self.layer_names)
+        buf = self._buffers.take(n * self.full_block_bytes, self._is_cuda())
+        try:
+            staging = buf[:n * self.full_block_bytes].view(num_layers, n, self.page_bytes)
+            n_ok = 0
+            for row, key in enumerate(t.keys):
+                if not self.read_block(key, [staging[i, row].numpy()
+                                             for i in range(num_layers)]):
+                    break
+                n_ok += 1
+            if n_ok:
+                first = self._kv_caches[self.layer_names[0]]
+                stream = torch.cuda.Stream(first.device) if first.is_cuda else None  # type: ignore[no-untyped-call]
+                with torch.cuda.stream(stream) if stream is not None \
+                        else contextlib.nullcontext():
+                    for i, name in enumerate(self.layer_names):
+                        scatter_pages(self._kv_caches[name], t.block_ids[:n_ok],
+                                       staging[i, :n_ok])
+                if stream is not None:
+                    stream.synchronize()
+            return n_ok
+        finally:
+            self._buffers.give(buf)
+
     def inject(self, layer_name: str, kv: torch.Tensor) -> None:
-        """Copy layer `layer_name`'s page of every staged block into its paged KV `kv`."""
-        if not self._loaded:
+        """Copy layer `layer_name`'s page of every staged block into its paged KV `kv`: one
+        batched copy (nothing when the loads were read in place)."""
+        if self._staging is None or not self._loaded_ids:
             return
         i = self._layer_of(layer_name, kv)
-        lo, hi = i * self.page_bytes, (i + 1) * self.page_bytes
-        for s in self._loaded:
-            page = kv[s.block_id]
-            page.copy_(s.buf[lo:hi].view(kv.dtype).view(page.shape))
+        ids = self._loaded_index.get(kv.device)
+        if ids is None:
+            ids = self._loaded_index[kv.device] = torch.tensor(self._loaded_ids,
+                                                               device=kv.device)
+        scatter_pages(kv, ids, self._staging[i])
 
     def capture(self, layer_name: str, kv: torch.Tensor) -> None:
-        """Copy layer `layer_name`'s page of every block to save out of its paged KV `kv`."""
-        if self._saves is None:
+        """Copy layer `layer_name`'s page of every block to save out of its paged KV `kv`: one
+        batched gather."""
+        if not self._saves_planned:
             self._saves = self._stage_saves()
-        if not self._saves:
+            self._saves_planned = True
+        saves = self._saves
+        if saves is None:
             return
         i = self._layer_of(layer_name, kv)
-        lo, hi = i * self.page_bytes, (i + 1) * self.page_bytes
-        for s in self._saves:
-            s.buf[lo:hi].view(kv.dtype).view(kv.shape[1:]).copy_(kv[s.block_id])
+        ids = saves.ids.get(kv.device)
+        if ids is None:
+            ids = saves.ids[kv.device] = torch.tensor(saves.block_ids, device=kv.device)
+        lo = i * self.page_bytes
+        gather_pages(kv, ids, saves.rows[:, lo:lo + self.page_bytes])
 
     def flush(self) -> None:
         """Write the staged saves (after the forward); every layer must have been captured."""
-        saves, self._saves = self._saves or [], None
-        self._loaded = []
-        if not saves:
+        saves, self._saves = self._saves, None
+        self._saves_planned = False
+        self._release_staging()
+        if saves is None:
             return
-        if self._writer is None:
-            self._write(saves)
+        chunks = _chunks(range(len(saves.block_ids)), self.write_threads)
+        saves.num_unwritten = len(chunks)
+        futures = [self._writers.submit(self._write, saves, rows) for rows in chunks]
+        if not self.is_background:
+            for f in futures:
+                f.result()
             return
-        self._reap(len(saves))
-        self._pending.append((self._writer.submit(self._write, saves), len(saves)))
+        self._reap(len(saves.block_ids))
+        for f, rows in zip(futures, chunks, strict=True):
+            self._pending.append((f, len(rows)))
 
-    def _write(self, saves: list[_Staged]) -> None:
+    def _write(self, saves: _Saves, rows: range) -> None:
         t0 = time.perf_counter()
-        for s in saves:
+        for r in rows:
             try:
-                is_new = self.store.put(s.key, s.buf.numpy().data, overwrite=False)
+                is_new = self.store.put(saves.keys[r], saves.rows[r].numpy().data,
+                                        overwrite=False)
             except OSError:
                 is_new = None
             if is_new is None:
@@ -213,8 +411,13 @@ class KVWorker:
                 self.count(saved_blocks=1)
             else:
                 self.count(skipped_saves=1)
-        self.log_event({"event": "save", "blocks": len(saves),
-                        "background": self._writer is not None,
+        with self._lock:
+            saves.num_unwritten -= 1
+            is_last = saves.num_unwritten == 0
+        if is_last:
+            self._buffers.give(saves.buf)
+        self.log_event({"event": "save", "blocks": len(rows),
+                        "background": self.is_background,
                         "s": round(time.perf_counter() - t0, 4)})
 
     def _reap(self, adding: int) -> None:
@@ -231,8 +434,8 @@ class KVWorker:
 
     def close(self) -> None:
         self.drain()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
 
     def report_load_error(self, req_id: str, block_id: int) -> None:
         """A block of `req_id` that did not load: vLLM recomputes from it on, and nothing of
@@ -251,16 +454,43 @@ class KVWorker:
         return errors
 
     # -- helpers ---------------------------------------------------------------------------
-    def _stage_saves(self) -> list[_Staged]:
-        staged: list[_Staged] = []
+    def _is_cuda(self) -> bool:
+        return any(kv.is_cuda for kv in self._kv_caches.values())
+
+    def _release_staging(self) -> None:
+        if self._staging_buf is not None:
+            if self._is_cuda():  # the last step's copies from it may still be queued
+                wait_for_device(next(iter(self._kv_caches.values())))
+            self._buffers.give(self._staging_buf)
+        self._staging_buf = None
+        self._staging = None
+        self._loaded_ids = []
+        self._loaded_index = {}
+
+    def _map(self, pool: ThreadPoolExecutor, fn: Any, args: list[tuple[Any, ...]]
+             ) -> list[bool]:
+        if len(args) == 1:
+            return [bool(fn(*args[0]))]
+        return [bool(f.result()) for f in [pool.submit(fn, *a) for a in args]]
+
+    def _stage_saves(self) -> _Saves | None:
+        """The step's saves (not of a request whose load failed: it is recomputed). Blocks
+        stored already are found by the writers (`put` without overwrite), not by a `stat`
+        per block here, inside the forward."""
+        block_ids: list[int] = []
+        keys: list[bytes] = []
         for t in self._plan.saves:
-            for block_id, key in zip(t.block_ids, t.keys, strict=True):
-                if t.req_id in self._failed_reqs or self.store.contains(key):
-                    self.count(skipped_saves=1)
-                    continue
-                buf = torch.empty(self.store.full_block_bytes, dtype=torch.uint8)
-                staged.append(_Staged(block_id, buf, key))
-        return staged
+            if t.req_id in self._failed_reqs:
+                self.count(skipped_saves=len(t.block_ids))
+                continue
+            block_ids.extend(t.block_ids)
+            keys.extend(self.shard.key(k) for k in t.keys)
+        if not block_ids:
+            return None
+        n = len(block_ids)
+        buf = self._buffers.take(n * self.full_block_bytes, self._is_cuda())
+        return _Saves(block_ids, keys, buf,
+                      buf[:n * self.full_block_bytes].view(n, self.full_block_bytes), {})
 
     def _layer_of(self, layer_name: str, kv: torch.Tensor) -> int:
         i = self._layer_index.get(layer_name)
@@ -304,3 +534,41 @@ class KVWorker:
             record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
             with self.event_log.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def scatter_pages(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
+                  pages: torch.Tensor, reuses_pages: bool = False) -> None:
+    """`kv[block_ids[j]] = page j` for every row of `pages` (uint8 [n, page_bytes], any row
+    stride). On a GPU one host-to-device copy and one `index_copy_`; on the host a `copy_`
+    per page, a memcpy each (torch's CPU `index_copy_` moves 0.3 GB/s here, per-page copies
+    9 GB/s). `reuses_pages`: the caller refills `pages` next, so the host-to-device copy
+    is waited for."""
+    n = pages.shape[0]
+    src = pages.view(kv.dtype).view(n, *kv.shape[1:])
+    if kv.is_cuda:
+        ids = block_ids if isinstance(block_ids, torch.Tensor) else torch.tensor(
+            list(block_ids), device=kv.device)
+        kv.index_copy_(0, ids.to(kv.device), src.to(kv.device, non_blocking=not reuses_pages))
+        return
+    targets = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+    for j, block_id in enumerate(targets):
+        kv[block_id].copy_(src[j])
+
+
+def gather_pages(kv: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[j] = kv[block_ids[j]]` (`out` uint8 [n, page_bytes], any row stride): on a GPU one
+    `index_select` and one device-to-host copy (ordered after the kernels that wrote the
+    pages: same stream), on the host a `copy_` per page."""
+    n = out.shape[0]
+    dst = out.view(kv.dtype).view(n, *kv.shape[1:])
+    if kv.is_cuda:
+        dst.copy_(kv.index_select(0, block_ids))
+        return
+    for j, block_id in enumerate(block_ids.tolist()):
+        dst[j].copy_(kv[block_id])
+
+
+def _chunks(rows: range, n: int) -> list[range]:
+    """`rows` in at most `n` consecutive runs of near-equal length."""
+    size = -(-len(rows) // max(1, n)) if len(rows) else 1
+    return [rows[i:i + size] for i in range(0, len(rows), size)]

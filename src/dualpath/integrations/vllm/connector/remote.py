@@ -34,7 +34,12 @@ from typing import Protocol
 
 import torch
 
-from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
+from dualpath.integrations.vllm.connector.kvio import (
+    KVWorker,
+    paged_kv_bases,
+    scatter_pages,
+    wait_for_device,
+)
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.messages import (
@@ -47,22 +52,6 @@ from dualpath.transport.errors import TransferError
 from dualpath.transport.nixl import Desc, NixlAgent, Pending, agent_name
 
 
-def paged_kv_bases(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
-                   page_bytes: int) -> list[int]:
-    """The address of block 0 of each layer's paged KV; a layout with pages that are not
-    contiguous `page_bytes` runs is refused (NIXL moves whole pages)."""
-    bases = []
-    for name in layer_names:
-        kv = kv_caches.get(name)
-        if kv is None:
-            raise LayoutError(f"vLLM registered no KV cache for layer {name!r}")
-        if not kv.is_contiguous() or kv[0].numel() * kv.element_size() != page_bytes:
-            raise LayoutError(f"layer {name!r}: paged KV {tuple(kv.shape)} {kv.dtype} is not "
-                              f"contiguous {page_bytes} B pages")
-        bases.append(int(kv.data_ptr()))
-    return bases
-
-
 class PrefillRemote:
     """DE-side pulls and pushes of a prefill worker over NIXL."""
 
@@ -70,9 +59,10 @@ class PrefillRemote:
         self.kv = kv
         self.page_bytes = kv.page_bytes
         self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
+        self._layers = [kv_caches[name] for name in kv.layer_names]
         self._layer_index = {n: i for i, n in enumerate(kv.layer_names)}
         self.link = NixlAgent(agent_name("prefill"))
-        self.link.register_tensors(kv_caches[name] for name in kv.layer_names)
+        self.link.register_tensors(b.span for b in self._bases)
         self._peers: dict[tuple[str, int], SideChannelClient] = {}
         """(decode side channel, thread) -> a connection (a background load's long `stage`
         never holds up the engine thread's pushes)."""
@@ -96,7 +86,7 @@ class PrefillRemote:
             agent = self._agents.get(address)
         if client is not None and agent is not None:
             return client, agent
-        client = SideChannelClient(address)
+        client = SideChannelClient(self.kv.shard.side_channel(address))  # this rank's
         # This worker's agent is not sent: the decode side is only ever the target of
         # one-sided READs and WRITEs, and its connecting back while this worker (no progress
         # thread) was in a forward hung loadRemoteMD here for good over TCP (emulated hosts).
@@ -112,10 +102,18 @@ class PrefillRemote:
             self._peers[slot] = client
             return client, self._agents[address]
 
+    def _stage_args(self, r: RemoteLoad) -> tuple[str, int, tuple[bytes, ...]]:
+        """A `stage` of `r` in this rank's names: its transfer and its shard's keys (the
+        decode rank of the same index reads this rank's files)."""
+        shard = self.kv.shard
+        return shard.xfer(r.xfer), r.blocks.first_block, tuple(map(shard.key, r.blocks.keys))
+
     def _page_descs(self, layer: int, pairs: Sequence[tuple[int, int]]) -> list[Desc]:
         """Layer `layer`'s page of each (vLLM block id, staging slot address) pair."""
         n = self.page_bytes
-        return [(self._bases[layer] + bid * n, slot + layer * n, n) for bid, slot in pairs]
+        base = self._bases[layer]
+        return [(base.address + bid * base.block_stride_bytes, slot + layer * n, n)
+                for bid, slot in pairs]
 
     def _drop_peer(self, address: str) -> None:
         with self._lock:
@@ -136,7 +134,7 @@ class PrefillRemote:
         ok = 0
         try:
             client, peer = self._peer(r.de)
-            slots = client.stage(r.xfer, t.first_block, t.keys).slots
+            slots = client.stage(*self._stage_args(r)).slots
             pairs = list(zip(t.block_ids, slots, strict=False))
             pending = self.link.post("READ", peer, [
                 d for i in range(len(self._bases)) for d in self._page_descs(i, pairs)])
@@ -163,8 +161,7 @@ class PrefillRemote:
         for r in self._plan.remote_loads:
             try:
                 client, _ = self._peer(r.de)
-                t = r.blocks
-                client.send(Stage(r.xfer, t.first_block, t.keys))
+                client.send(Stage(*self._stage_args(r)))
                 self._requested.add(id(r))
             except (SideChannelError, TransferError, OSError):
                 self._drop_peer(r.de)  # load() retries on a new connection
@@ -180,7 +177,7 @@ class PrefillRemote:
                 if id(r) in requested:
                     reply = client.receive(Staged)
                 else:
-                    reply = client.stage(r.xfer, t.first_block, t.keys)
+                    reply = client.stage(*self._stage_args(r))
                 if self.kv.has_failed(t.req_id):  # its PE-side part failed: recomputed
                     self.note_failure(t.req_id, t.first_block)
                     continue
@@ -222,6 +219,10 @@ class PrefillRemote:
         i = self._layer_index[layer_name]
         if i == 0:
             self._allocate_pushes()
+        if self._push_slots:
+            # On a GPU, attention was only launched: the WRITE must not read the layer's pages
+            # before the kernels that write them are done.
+            wait_for_device(self._layers[i])
         for p in self._plan.pushes:
             slots = self._push_slots.get(p.req_id)
             if not slots:
@@ -246,7 +247,7 @@ class PrefillRemote:
                 indices = sorted(set(indices) | set(range(fail, p.hit_blocks)))
             try:
                 client, _ = self._peer(p.de)
-                addresses = client.alloc(p.xfer, indices)
+                addresses = client.alloc(self.kv.shard.xfer(p.xfer), indices)
             except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
@@ -268,10 +269,12 @@ class PrefillRemote:
                 self._push_failed(p, e)
         for p in self._plan.pushes:
             slots = self._push_slots.get(p.req_id)
-            if not slots or p.req_id in failed:
+            if not slots or p.req_id in failed or self.kv.has_failed(p.req_id):
+                # A pull that failed mid-forward left this step's KV of the request wrong: it
+                # is recomputed and pushed again, never committed from this step.
                 continue
             try:
-                self._peer(p.de)[0].commit(p.xfer)
+                self._peer(p.de)[0].commit(self.kv.shard.xfer(p.xfer))
             except (SideChannelError, OSError) as e:
                 self._push_failed(p, e)
                 continue
@@ -393,6 +396,8 @@ class DecodeRemote:
         self.pool = pool
         self._plan = StepPlan()
         self._staged: list[tuple[int, torch.Tensor]] = []
+        self._pinned: torch.Tensor | None = None
+        """A GPU worker's gathered pages of one layer (reused by every layer and step)."""
 
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
@@ -402,7 +407,7 @@ class DecodeRemote:
         for x in self._plan.xfer_loads:
             blocks = range(x.first_block, x.first_block + len(x.block_ids))
             try:
-                slots = self.pool.lookup(x.xfer, list(blocks))
+                slots = self.pool.lookup(self.kv.shard.xfer(x.xfer), list(blocks))
             except (SideChannelError, OSError) as e:
                 self.kv.remote_error(x.req_id, "lookup", str(e))
                 slots = [None] * len(blocks)
@@ -419,16 +424,28 @@ class DecodeRemote:
                                "ok": ok})
 
     def inject(self, layer_name: str, kv: torch.Tensor) -> None:
+        """Layer `layer_name`'s pages of the staged blocks into `kv`: on the host a memcpy per
+        page; on a GPU gathered into one pinned buffer, then one copy and one `index_copy_`
+        (not a small pageable host-to-device copy per page)."""
         if not self._staged:
             return
         i = self.kv.layer_names.index(layer_name)
         lo, hi = i * self.kv.page_bytes, (i + 1) * self.kv.page_bytes
-        for block_id, buf in self._staged:
-            page = kv[block_id]
-            page.copy_(buf[lo:hi].view(kv.dtype).view(page.shape))
+        if not kv.is_cuda:
+            for block_id, buf in self._staged:
+                page = kv[block_id]
+                page.copy_(buf[lo:hi].view(kv.dtype).view(page.shape))
+            return
+        n = len(self._staged)
+        if self._pinned is None or self._pinned.shape[0] < n:
+            self._pinned = torch.empty((n, self.kv.page_bytes), dtype=torch.uint8,
+                                       pin_memory=True)
+        for j, (_, buf) in enumerate(self._staged):
+            self._pinned[j].copy_(buf[lo:hi])
+        scatter_pages(kv, [b for b, _ in self._staged], self._pinned[:n], reuses_pages=True)
 
     def flush(self) -> None:
         for x in self._plan.xfer_loads:
             with contextlib.suppress(SideChannelError, OSError):  # it expires anyway
-                self.pool.release(x.xfer)
+                self.pool.release(self.kv.shard.xfer(x.xfer))
         self._staged = []
