@@ -82,6 +82,10 @@ class FakeVllm:
         async def metrics() -> Response:
             return Response(self.metrics_text, media_type="text/plain")
 
+        @app.get("/health")
+        async def health() -> Response:
+            return JSONResponse({})
+
         self.app = app
 
     async def generate(self, path: str, body: dict[str, Any]) -> Response:
@@ -285,19 +289,22 @@ def test_overloaded_prefill_waits_then_503(store: tuple[Path, StoreManifest]) ->
             client.get("/metrics").text
 
 
-def test_a_dead_decode_instance_is_a_502_naming_it(store: tuple[Path, StoreManifest]) -> None:
+def test_a_dead_decode_instance_is_a_503_naming_it(store: tuple[Path, StoreManifest]) -> None:
+    # Marked down (its poll or the request's connection is refused), the only decode
+    # instance takes no request: each waits for it (a restart) until the queue timeout.
     dead = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     dead.close()  # nothing listens there now
-    with cluster(store, decode_url=url) as (client, _prefill, _decode):
+    with cluster(store, decode_url=url, queue_timeout_s=0.3) as (client, _prefill, _decode):
         for stream in (False, True):
             resp = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT,
                                                          "stream": stream})
-            assert resp.status_code == 502
+            assert resp.status_code == 503
             assert url in resp.json()["error"]["message"]
         assert idle(client)
         stats = client.get("/stats").json()
-        assert stats["aborted"] == 2 and stats["decode"][0]["upstream_errors"] >= 2
+        assert stats["aborted"] == 2 and not stats["decode"][0]["up"]
+        assert client.get("/health").json()["status"] == "unavailable"
 
 
 def test_prefill_without_kv_params_still_decodes(store: tuple[Path, StoreManifest]) -> None:

@@ -186,3 +186,82 @@ def test_forced_read_side_overrides_the_plan_and_its_read_queues() -> None:
     assert p.read_q_by_node() == {0: 0, 1: 4 * BS}
     with pytest.raises(SpecError, match="force_read_side"):
         RoutePolicy(params, 1, 1, rr, forced_read_side="both")
+
+
+# -- instances marked down (failover) ---------------------------------------------------------
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "split"])
+def test_a_down_decode_instance_gets_no_request_and_rejoins(mode: str) -> None:
+    p = policy(mode, num_prefill=1, num_decode=3)
+    p.mark_down(Role.DECODE, 1)
+    for rid in range(1, 7):
+        place(p, rid)
+    routes = p.schedule()
+    assert len(routes) == 6 and {r.decode for r in routes} == {0, 2}
+    assert p.decode_report(1).num_seqs == 0
+    p.mark_up(Role.DECODE, 1)
+    for rid in range(7, 13):
+        place(p, rid)
+    assert 1 in {r.decode for r in p.schedule()}
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath"])
+def test_a_down_prefill_instance_gets_no_request_and_rejoins(mode: str) -> None:
+    p = policy(mode, num_prefill=2)
+    p.mark_down(Role.PREFILL, 0)
+    for rid in range(1, 5):
+        place(p, rid)
+    assert {r.prefill for r in p.schedule()} == {1}
+    snap = p.snapshot(64)
+    assert [i["up"] for i in snap["prefill"]] == [False, True]
+    assert snap["prefill"][0]["in_flight_tokens"] == 0  # down is no load of its own
+    p.mark_up(Role.PREFILL, 0)
+    for rid in range(5, 9):
+        place(p, rid)
+    assert 0 in {r.prefill for r in p.schedule()}
+
+
+def test_requests_waiting_on_a_decode_that_goes_down_are_bound_again() -> None:
+    p = policy("dualpath", num_prefill=1, num_decode=2, beta=30)
+    place(p, 1)  # placed: the prefill instance is then full (40 tokens > beta 30)
+    place(p, 2)  # bound to a decode instance, waiting for the prefill instance
+    (first,) = p.schedule()
+    waiting_on = 1 - first.decode
+    assert p.decode_report(waiting_on).num_seqs == 1
+    p.mark_down(Role.DECODE, waiting_on)
+    assert p.schedule() == []
+    assert p.decode_report(waiting_on).num_seqs == 0
+    assert p.decode_report(first.decode).num_seqs == 2
+    p.prefill_done(1)
+    (second,) = p.schedule()
+    assert second.request_id == 2 and second.decode == first.decode
+
+
+def test_with_every_decode_down_requests_wait_until_one_is_up() -> None:
+    p = policy("basic", num_decode=2)
+    p.mark_down(Role.DECODE, 0)
+    p.mark_down(Role.DECODE, 1)
+    place(p, 1)
+    assert p.schedule() == [] and p.num_waiting == 1
+    p.mark_up(Role.DECODE, 1)
+    (route,) = p.schedule()
+    assert route.decode == 1
+
+
+def test_a_requeued_request_gets_a_new_route_and_its_seats_back() -> None:
+    p = policy("dualpath", num_prefill=2, num_decode=2)
+    place(p, 1)
+    (route,) = p.schedule()
+    p.mark_down(Role.DECODE, route.decode)
+    p.mark_down(Role.PREFILL, route.prefill)
+    p.requeue(1)
+    assert p.read_q_by_node() == dict.fromkeys(range(4), 0)
+    (again,) = p.schedule()
+    assert (again.prefill, again.decode) == (1 - route.prefill, 1 - route.decode)
+    assert p.decode_report(route.decode).num_seqs == 0
+    p.prefill_done(1)
+    p.finished(1)
+    p.mark_up(Role.PREFILL, route.prefill)
+    assert_idle(p)
+    assert p.counters.num_requeued == 1
+    with pytest.raises(SpecError, match="unknown"):
+        p.requeue(1)

@@ -22,8 +22,19 @@ body too slow or too large, 502 for an instance that is unreachable or fails (5x
 one that times out (both name the instance's URL), 503 when no instance could take the
 request in time; an instance's own 4xx is passed through. The API key, the body's limits and
 the connection timeouts are `dualpath.http`'s, the same as `dualpath serve`'s. Each
-instance's `/metrics` is polled every `poll_interval_s` for its KV cache usage and capacity
-(the decode instances' free KV memory; absent values are tolerated).
+instance's `/health` and `/metrics` are polled every `poll_interval_s`: its KV cache usage
+and capacity (the decode instances' free KV memory; absent values are tolerated), and
+whether it is up.
+
+Failover: an instance whose poll fails (refused, reset, timed out, not 200), or that refuses
+or drops a request's connection, is marked down at once and takes no new requests
+(`RoutePolicy.mark_down`); the first poll it answers brings it back. A request whose prefill
+or decode instance fails it (unreachable, dropped, 5xx) before anything reached the client
+is placed again from the start, once (`RoutePolicy.requeue`: new instances, a new transfer
+id, a new read plan; its KV is read from the store or recomputed, never taken from the failed
+attempt). A stream that breaks after its first event ends with an error event and
+`data: [DONE]`. `/health` says `degraded` while an instance is down, `unavailable` (503)
+while every prefill or every decode instance is.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import contextlib
 import itertools
 import json
 import logging
+import re
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -64,6 +77,12 @@ PREFILL_DROPPED = ("stream_options", "min_tokens", "max_completion_tokens")
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
                         "chat_template_kwargs", "tools", "documents", "add_special_tokens")
 """Chat fields that change the prompt's tokens, forwarded to `/tokenize`."""
+RETRIES = 1
+"""Times a request failed by an instance before its first token is placed again."""
+REQUEST_ID_HEADER = "X-Request-Id"
+"""The trace id header (vLLM's convention: its request ids are built from it)."""
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,43 @@ def _is_token_ids(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _is_broken(exc: httpx2.HTTPError) -> bool:
+    """Whether a failed exchange says the instance is gone (refused, reset, dropped mid-reply,
+    no connection in time), rather than slow."""
+    return isinstance(exc, httpx2.NetworkError | httpx2.RemoteProtocolError
+                      | httpx2.ConnectTimeout)
+
+
+async def sse_events(resp: httpx2.Response) -> AsyncIterator[bytes]:
+    """A server-sent event stream's events, each with its blank line (a stream that ends
+    without one yields its tail as the last event)."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        while (m := _EVENT_END.search(buf)) is not None:
+            yield buf[:m.end()]
+            buf = buf[m.end():]
+    if buf:
+        yield buf
+
+
+@dataclass(frozen=True)
+class Down:
+    """Why and since when an instance is marked down."""
+
+    reason: str
+    since: float
+    """`time.monotonic()` when it was marked."""
+
+
+class _Retry(Exception):
+    """An instance failed the request before anything reached the client: place it again."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class Router:
     """The policy, the store, the HTTP client and the requests waiting for a placement."""
 
@@ -189,6 +245,10 @@ class Router:
         """(role, url) -> errors (unreachable, timeout, 5xx) of that instance."""
         self.poll_errors: Counter[tuple[str, str]] = Counter()
         self.num_queue_timeouts = 0
+        self.num_retries = 0
+        self.num_stream_errors = 0
+        """Streams that broke after their first event (ended with an error event)."""
+        self.down: dict[tuple[Role, int], Down] = {}
         self._client: httpx2.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
 
@@ -219,7 +279,44 @@ class Router:
         for j, url in enumerate(self.cfg.decode):
             yield Role.DECODE, j, url
 
-    # -- metrics polling -------------------------------------------------------------------
+    def url_of(self, role: Role, index: int) -> str:
+        return (self.cfg.prefill if role is Role.PREFILL else self.cfg.decode)[index]
+
+    # -- instances up and down -------------------------------------------------------------
+    def mark_down(self, role: Role, index: int, reason: str) -> None:
+        """The instance takes no new requests until a poll finds it answering again."""
+        if (role, index) in self.down:
+            return
+        self.down[(role, index)] = Down(reason, time.monotonic())
+        self.policy.mark_down(role, index)
+        log.warning("%s instance %s is down (%s): no new requests until it answers again",
+                    role.value, self.url_of(role, index), reason)
+        self._place()
+
+    def mark_up(self, role: Role, index: int) -> None:
+        gone = self.down.pop((role, index), None)
+        if gone is None:
+            return
+        self.policy.mark_up(role, index)
+        log.warning("%s instance %s is back after %.1f s", role.value,
+                    self.url_of(role, index), time.monotonic() - gone.since)
+        self._place()
+
+    def health(self) -> tuple[str, list[dict[str, Any]]]:
+        """("ok" | "degraded" | "unavailable", the instances down): unavailable while every
+        prefill or every decode instance is down."""
+        now = time.monotonic()
+        down = [{"role": role.value, "url": self.url_of(role, i), "reason": d.reason,
+                 "down_s": round(now - d.since, 1)} for (role, i), d in self.down.items()]
+        if not down:
+            return "ok", down
+        roles = Counter(role for role, _ in self.down)
+        if roles[Role.PREFILL] == len(self.cfg.prefill) or \
+                roles[Role.DECODE] == len(self.cfg.decode):
+            return "unavailable", down
+        return "degraded", down
+
+    # -- polling ---------------------------------------------------------------------------
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.gather(*(self.poll(role, i, url) for role, i, url in self.instances()))
@@ -227,17 +324,23 @@ class Router:
             await asyncio.sleep(self.cfg.poll_interval_s)
 
     async def poll(self, role: Role, index: int, url: str) -> None:
-        """One instance's `/metrics` into the policy (a failed poll keeps the last sample)."""
+        """One instance's `/health` and `/metrics`: its loads into the policy, and whether it
+        is up (any failure marks it down; a failed poll keeps the last sample)."""
+        timeout = max(1.0, 2 * self.cfg.poll_interval_s)
         try:
-            resp = await self.client.get(f"{url}/metrics",
-                                         timeout=max(1.0, 2 * self.cfg.poll_interval_s))
+            health = await self.client.get(f"{url}/health", timeout=timeout)
+            if health.status_code != HTTPStatus.OK:
+                raise ValueError(f"/health answered HTTP {health.status_code}")
+            resp = await self.client.get(f"{url}/metrics", timeout=timeout)
             resp.raise_for_status()
             sample = parse_vllm_metrics(resp.text, self.kv_bytes_per_token)
         except (httpx2.HTTPError, ValueError) as e:
             self.poll_errors[(role.value, url)] += 1
-            log.debug("metrics of %s: %s", url, e)
+            log.debug("poll of %s: %s", url, e)
+            self.mark_down(role, index, f"poll failed: {type(e).__name__}: {e}"[:300])
             return
         self.policy.update_metrics(role, index, sample)
+        self.mark_up(role, index)
 
     # -- placement -------------------------------------------------------------------------
     def _place(self) -> None:
@@ -255,8 +358,11 @@ class Router:
             return await asyncio.wait_for(fut, self.cfg.queue_timeout_s)
         except TimeoutError:
             self.num_queue_timeouts += 1
+            _, down = self.health()
+            why = "; down: " + ", ".join(f"{d['role']} {d['url']} ({d['reason']})"
+                                         for d in down) if down else ""
             raise server_error(HTTPStatus.SERVICE_UNAVAILABLE, "no instance could take the "
-                               f"request within {self.cfg.queue_timeout_s:g} s") from None
+                               f"request within {self.cfg.queue_timeout_s:g} s{why}") from None
         finally:
             self._waiters.pop(rid, None)
 
@@ -275,8 +381,13 @@ class Router:
         base = next((u for u in urls if url == u or url.startswith(u + "/")), url)
         self.upstream_errors[(role.value, base)] += 1
 
-    def _upstream_error(self, role: Role, url: str, exc: httpx2.HTTPError) -> ApiError:
+    def _upstream_error(self, role: Role, url: str, exc: httpx2.HTTPError,
+                        index: int | None = None) -> ApiError:
+        """The client's error for a failed exchange with an instance; one that says the
+        instance is gone (`_is_broken`) marks it down (`index`: which one)."""
         self._count_error(role, url)
+        if index is not None and _is_broken(exc):
+            self.mark_down(role, index, f"{type(exc).__name__}: {exc}"[:300])
         if isinstance(exc, httpx2.TimeoutException):
             return server_error(HTTPStatus.GATEWAY_TIMEOUT, f"{role.value} instance {url} "
                                 f"timed out: {type(exc).__name__}")
@@ -293,12 +404,30 @@ class Router:
                                f"HTTP {resp.status_code}: {resp.text[:500]}")
         raise _Passthrough(resp)
 
-    async def _post(self, role: Role, url: str, body: dict[str, Any]) -> httpx2.Response:
+    async def _post(self, role: Role, url: str, body: dict[str, Any], index: int | None = None,
+                    headers: dict[str, str] | None = None) -> httpx2.Response:
         try:
-            resp = await self.client.post(url, json=body)
+            resp = await self.client.post(url, json=body, headers=headers)
         except httpx2.HTTPError as e:
-            raise self._upstream_error(role, url, e) from e
+            raise self._upstream_error(role, url, e, index) from e
         self._check_reply(role, url, resp)
+        return resp
+
+    async def _post_or_retry(self, role: Role, index: int, url: str, body: dict[str, Any],
+                             headers: dict[str, str]) -> httpx2.Response:
+        """`_post` within a request's attempt: an instance gone or failing (5xx) is a
+        `_Retry`; a timeout is not (the client has waited long enough)."""
+        try:
+            resp = await self.client.post(url, json=body, headers=headers)
+        except httpx2.HTTPError as e:
+            err = self._upstream_error(role, url, e, index)
+            if _is_broken(e):
+                raise _Retry(err) from e
+            raise err from e
+        try:
+            self._check_reply(role, url, resp)
+        except ApiError as e:
+            raise _Retry(e) from e
         return resp
 
     # -- requests --------------------------------------------------------------------------
@@ -326,25 +455,53 @@ class Router:
             req["prompt"] = prompt
             if "add_special_tokens" in body:
                 req["add_special_tokens"] = body["add_special_tokens"]
-        prefill = self.cfg.prefill
-        url = prefill[next(self._tokenize_turn) % len(prefill)] + "/tokenize"
-        resp = await self._post(Role.PREFILL, url, req)
+        # The prefill instances that are up in turn, then the decode instances (the same
+        # model and template); one gone is marked down and the next one asked. With none
+        # up, wait for one (a restart) as a request waits for a placement.
+        deadline = time.monotonic() + self.cfg.queue_timeout_s
+        while not (candidates := self._tokenizers()):
+            if time.monotonic() > deadline:
+                self.num_queue_timeouts += 1
+                raise server_error(HTTPStatus.SERVICE_UNAVAILABLE, "no instance answered "
+                                   f"within {self.cfg.queue_timeout_s:g} s to tokenize the "
+                                   "prompt; down: " + ", ".join(
+                                       f"{d['role']} {d['url']} ({d['reason']})"
+                                       for d in self.health()[1]))
+            await asyncio.sleep(min(self.cfg.poll_interval_s, 0.1))
+        for k, (role, index) in enumerate(candidates):
+            url = self.url_of(role, index) + "/tokenize"
+            try:
+                resp = await self._post(role, url, req, index)
+                break
+            except ApiError:
+                if k == len(candidates) - 1 or self.policy.is_up(role, index):
+                    raise
         try:
             ids = resp.json()["tokens"]
         except (ValueError, KeyError, TypeError):
             ids = None
         if not _is_token_ids(ids):
-            self._count_error(Role.PREFILL, url)
-            raise server_error(HTTPStatus.BAD_GATEWAY, f"prefill instance {url}: no token ids "
-                               "in its reply")
+            self._count_error(role, url)
+            raise server_error(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url}: no "
+                               "token ids in its reply")
         return list(ids)
+
+    def _tokenizers(self) -> list[tuple[Role, int]]:
+        """The instances to ask for a prompt's tokens, in order: the prefill instances that
+        are up, from the next in turn, then the decode instances that are up."""
+        num = len(self.cfg.prefill)
+        turn = next(self._tokenize_turn)
+        prefill = [(Role.PREFILL, (turn + k) % num) for k in range(num)]
+        decode = [(Role.DECODE, j) for j in range(len(self.cfg.decode))]
+        return [(role, i) for role, i in prefill + decode if self.policy.is_up(role, i)]
 
     def hit_blocks(self, tokens: Sequence[int]) -> int:
         """The prompt's stored prefix in whole blocks, as the connectors will find it."""
         return self.cfg.manifest.hit_blocks(tokens, self.store.contains)
 
-    async def handle(self, body: Any, is_chat: bool) -> Response:
-        """One completion or chat request, routed (the module docstring's steps)."""
+    async def handle(self, body: Any, is_chat: bool, trace_id: str | None = None) -> Response:
+        """One completion or chat request, routed (the module docstring's steps); `trace_id`
+        (the client's `X-Request-Id`, else a new one) goes to both instances and back."""
         if not isinstance(body, dict):
             raise bad_request(None, "the body must be a JSON object")
         is_stream = body.get("stream", False)
@@ -353,74 +510,126 @@ class Router:
         if "model" not in body and self.cfg.model is not None:
             body = {**body, "model": self.cfg.model}
         gen = _gen_tokens(body)
+        trace = trace_id or uuid.uuid4().hex
         tokens = await self.tokens(body, is_chat)
         hit = await asyncio.to_thread(self.hit_blocks, tokens)
         rid = next(self._ids)
         self.policy.submit(rid, len(tokens), hit, gen)
         is_handed_off = is_ok = False
         try:
-            route = await self._placed(rid)
-            path = "/v1/chat/completions" if is_chat else "/v1/completions"
-            params = RouteParams(xfer=uuid.uuid4().hex, de=self.cfg.sides[route.decode],
-                                 hit_blocks=route.plan.num_hit_blocks,
-                                 pe_blocks=route.plan.num_pe_blocks)
-            pre = await self._post(Role.PREFILL, self.cfg.prefill[route.prefill] + path,
-                                   prefill_body(body, is_chat, params))
-            self.policy.prefill_done(rid)
-            self._place()
-            try:
-                kv = pre.json().get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                kv = None
-            url = self.cfg.decode[route.decode] + path
-            out = decode_body(body, kv)
-            if not is_stream:
-                resp = await self._post(Role.DECODE, url, out)
-                is_ok = True
-                return Response(resp.content, status_code=resp.status_code,
-                                media_type=resp.headers.get("content-type", "application/json"))
-            stream = await self._open_stream(url, out)
-            is_handed_off = True
-            return StreamingResponse(self._relay(rid, url, stream),
-                                     media_type=stream.headers.get("content-type",
-                                                                   "text/event-stream"))
+            for attempt in itertools.count():
+                try:
+                    resp, is_handed_off = await self._attempt(rid, body, is_chat, is_stream,
+                                                              trace)
+                except _Retry as e:
+                    if attempt >= RETRIES:
+                        raise e.error from None
+                    self.num_retries += 1
+                    log.warning("request %s: %s; placed again", trace, e.error.message)
+                    self.policy.requeue(rid)
+                    continue
+                is_ok = not is_handed_off
+                resp.headers[REQUEST_ID_HEADER] = trace
+                return resp
+            raise AssertionError("unreachable")
         finally:
             if not is_handed_off:
                 self._release(rid, is_ok)
 
-    async def _open_stream(self, url: str, body: dict[str, Any]) -> httpx2.Response:
-        request = self.client.build_request("POST", url, json=body)
+    async def _attempt(self, rid: int, body: dict[str, Any], is_chat: bool, is_stream: bool,
+                       trace: str) -> tuple[Response, bool]:
+        """One placement of the request through a prefill and a decode instance: the
+        response, and whether a stream took over the request's release. An instance that
+        fails before anything reached the client raises `_Retry`."""
+        route = await self._placed(rid)
+        path = "/v1/chat/completions" if is_chat else "/v1/completions"
+        headers = {REQUEST_ID_HEADER: trace}
+        # A fresh transfer id and the decode instance of this placement: nothing of an
+        # earlier attempt (slots staged or pushed on a failed instance) is ever read.
+        params = RouteParams(xfer=uuid.uuid4().hex, de=self.cfg.sides[route.decode],
+                             hit_blocks=route.plan.num_hit_blocks,
+                             pe_blocks=route.plan.num_pe_blocks)
+        pre = await self._post_or_retry(Role.PREFILL, route.prefill,
+                                        self.cfg.prefill[route.prefill] + path,
+                                        prefill_body(body, is_chat, params), headers)
+        self.policy.prefill_done(rid)
+        self._place()
+        try:
+            kv = pre.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            kv = None
+        url = self.cfg.decode[route.decode] + path
+        out = decode_body(body, kv)
+        if not is_stream:
+            resp = await self._post_or_retry(Role.DECODE, route.decode, url, out, headers)
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type",
+                                                        "application/json")), False
+        stream = await self._open_stream(route.decode, url, out, headers)
+        events = sse_events(stream)
+        try:
+            first = await anext(events, b"")
+        except httpx2.HTTPError as e:
+            await stream.aclose()
+            err = self._upstream_error(Role.DECODE, url, e, route.decode)
+            if _is_broken(e):
+                raise _Retry(err) from e
+            raise err from e
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamingResponse(self._relay(rid, route.decode, url, stream, first, events),
+                                 media_type=stream.headers.get("content-type",
+                                                               "text/event-stream")), True
+
+    async def _open_stream(self, index: int, url: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> httpx2.Response:
+        request = self.client.build_request("POST", url, json=body, headers=headers)
         try:
             resp = await self.client.send(request, stream=True)
         except httpx2.HTTPError as e:
-            raise self._upstream_error(Role.DECODE, url, e) from e
+            err = self._upstream_error(Role.DECODE, url, e, index)
+            if _is_broken(e):
+                raise _Retry(err) from e
+            raise err from e
         if resp.status_code >= 400:
             try:
                 await resp.aread()
             finally:
                 await resp.aclose()
-            self._check_reply(Role.DECODE, url, resp)
+            try:
+                self._check_reply(Role.DECODE, url, resp)
+            except ApiError as e:
+                raise _Retry(e) from e
         return resp
 
-    async def _relay(self, rid: int, url: str, resp: httpx2.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, rid: int, index: int, url: str, resp: httpx2.Response,
+                     first: bytes, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The decode instance's events to the client, whole; a stream that breaks ends with
+        an error event and `[DONE]` (an event cut short is dropped, never half sent)."""
         is_ok = False
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+            if first:
+                yield first
+            async for event in events:
+                yield event
             is_ok = True
         except httpx2.HTTPError as e:
-            err = self._upstream_error(Role.DECODE, url, e)
-            yield f"data: {json.dumps(err.body())}\n\n".encode()
+            self.num_stream_errors += 1
+            err = self._upstream_error(Role.DECODE, url, e, index)
+            yield f"data: {json.dumps(err.body())}\n\n".encode() + _DONE_EVENT
         finally:
             await resp.aclose()
             self._release(rid, is_ok)
 
     async def models(self) -> Response:
-        url = self.cfg.prefill[0] + "/v1/models"
+        index = next((i for i in range(len(self.cfg.prefill))
+                      if self.policy.is_up(Role.PREFILL, i)), 0)
+        url = self.cfg.prefill[index] + "/v1/models"
         try:
             resp = await self.client.get(url)
         except httpx2.HTTPError as e:
-            raise self._upstream_error(Role.PREFILL, url, e) from e
+            raise self._upstream_error(Role.PREFILL, url, e, index) from e
         self._check_reply(Role.PREFILL, url, resp)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
@@ -434,9 +643,12 @@ class Router:
                 inst["url"] = url
                 inst["upstream_errors"] = self.upstream_errors[(role, url)]
                 inst["metrics_poll_errors"] = self.poll_errors[(role, url)]
+                down = self.down.get((Role(role), inst["index"]))
+                inst["down_reason"] = None if down is None else down.reason
         for inst, side in zip(snap["decode"], self.cfg.sides, strict=True):
             inst["side_channel"] = side
-        snap.update(mode=self.cfg.mode, model=self.cfg.model_name,
+        snap.update(mode=self.cfg.mode, model=self.cfg.model_name, health=self.health()[0],
+                    retries=self.num_retries, stream_errors=self.num_stream_errors,
                     queue_timeouts=self.num_queue_timeouts,
                     block_size=self.cfg.manifest.block_size,
                     full_block_bytes=self.cfg.manifest.full_block_bytes)
@@ -479,6 +691,10 @@ class _RouterCollector(Collector):
                   "timeout or a client gone.", [], [((), s["aborted"])])
         yield one(CounterMetricFamily, "queue_timeouts", "Requests no instance took in "
                   "time (503).", [], [((), s["queue_timeouts"])])
+        yield one(CounterMetricFamily, "retries", "Requests placed again after an instance "
+                  "failed them before their first token.", [], [((), s["retries"])])
+        yield one(CounterMetricFamily, "stream_errors", "Streams that broke after their "
+                  "first event (ended with an error event).", [], [((), s["stream_errors"])])
         yield one(GaugeMetricFamily, "waiting_requests", "Requests not yet placed.", [],
                   [((), s["waiting"])])
         instances = [(role, inst) for role in ("prefill", "decode") for inst in s[role]]
@@ -491,6 +707,10 @@ class _RouterCollector(Collector):
         yield one(GaugeMetricFamily, "read_queue_tokens", "Hit tokens queued on the node's "
                   "storage NIC (requests whose prefill has not replied).", labels,
                   rows("read_queue_tokens"))
+        yield one(GaugeMetricFamily, "up", "1 while the instance takes new requests, 0 "
+                  "while it is marked down.", labels,
+                  [((role, inst["url"], str(inst["node"])), int(inst["up"]))
+                   for role, inst in instances])
         yield one(GaugeMetricFamily, "in_flight_requests", "Requests routed to the "
                   "instance and not done with it.", labels, rows("in_flight"))
         yield one(GaugeMetricFamily, "in_flight_tokens", "Prompt tokens of those "
@@ -535,11 +755,13 @@ def make_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await router.handle(await _body(request), is_chat=False)
+        return await router.handle(await _body(request), is_chat=False,
+                                   trace_id=request.headers.get(REQUEST_ID_HEADER))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await router.handle(await _body(request), is_chat=True)
+        return await router.handle(await _body(request), is_chat=True,
+                                   trace_id=request.headers.get(REQUEST_ID_HEADER))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -547,7 +769,10 @@ def make_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+        status, down = router.health()
+        return JSONResponse({"status": status, "down": down},
+                            status_code=HTTPStatus.SERVICE_UNAVAILABLE
+                            if status == "unavailable" else HTTPStatus.OK)
 
     @app.get("/stats")
     async def stats() -> Response:

@@ -22,6 +22,13 @@ Loads (`EngineReport` fields), all from the router's own accounting except free 
 
 A request the scheduler cannot place waits in its queues; `schedule()` is called again when
 anything changes (a reply, a failure, a metrics poll) and returns the requests it placed.
+
+Instances marked down (`mark_down`: a failed health check, a refused connection) are no
+candidates: a down prefill instance reports itself overloaded (`tok > beta`, which Algorithm 1
+and round robin both skip), a down decode instance's DE group gets no requests in phase 1 and
+no fetch in phase 2, and the requests already waiting on it go back to the global queue.
+Requests it already holds are the caller's (`requeue` places one again, on the instances up
+now). `mark_up` makes it a candidate again.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class RouteCounters:
     blocks_by_side: Counter[str] = field(default_factory=Counter)
     num_finished: int = 0
     num_aborted: int = 0
+    num_requeued: int = 0
+    """Requests placed again after an instance failed them (`requeue`)."""
 
 
 class RoutePolicy:
@@ -146,6 +155,8 @@ class RoutePolicy:
         """Latest poll per (role, instance index)."""
         self.counters = RouteCounters()
         self._requests: dict[int, _Request] = {}
+        self.down: set[tuple[str, int]] = set()
+        """(role, instance index) of the instances that take no new requests."""
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, request_id: int, prompt_tokens: int, hit_blocks: int,
@@ -181,6 +192,49 @@ class RoutePolicy:
     def is_known(self, request_id: int) -> bool:
         return request_id in self._requests
 
+    def requeue(self, request_id: int) -> None:
+        """Place a request again from the start (its instance failed it before its first
+        token): its seats and read-queue shares are given back, it waits in the global queue
+        and gets a new route (new instances, a new read plan) from `schedule`."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise SpecError("route", "request_id", request_id, "unknown (finished or aborted)")
+        self.sched.cancel(request_id)
+        req.de, req.route, req.is_prefilled = None, None, False
+        self.sched.submit(req.request)
+        self.counters.num_requeued += 1
+
+    # -- instances -------------------------------------------------------------------------
+    def is_up(self, role: Role, index: int) -> bool:
+        return (role.value, index) not in self.down
+
+    def mark_down(self, role: Role, index: int) -> None:
+        """Instance `index` of `role` takes no new requests (see the module docstring)."""
+        self.down.add((role.value, index))
+
+    def mark_up(self, role: Role, index: int) -> None:
+        self.down.discard((role.value, index))
+
+    def _up_decodes(self) -> list[int]:
+        return [j for j in range(self.num_decode) if self.is_up(Role.DECODE, j)]
+
+    def _unbind_down_decodes(self) -> None:
+        """Requests waiting on a down decode instance (in its DE group's private queue, or
+        bound to it and waiting for a prefill instance) back to the global queue."""
+        sched = self.sched
+        for j in range(self.num_decode):
+            if self.is_up(Role.DECODE, j):
+                continue
+            while (head := sched.de_head(j)) is not None:
+                sched.cancel(head.request_id)
+                sched.submit(head)
+        for rid, req in self._requests.items():
+            if req.route is None and req.de is not None and not self.is_up(Role.DECODE,
+                                                                            req.de[0]):
+                sched.cancel(rid)
+                req.de = None
+                sched.submit(req.request)
+
     def update_metrics(self, role: Role, index: int, sample: InstanceMetrics) -> None:
         self.metrics[(role.value, index)] = sample
 
@@ -189,9 +243,22 @@ class RoutePolicy:
         """DE phase 1 and 2 for every decode instance, then one PE fetch over the prefill
         instances; returns the requests placed on both sides now (in placement order)."""
         sched = self.sched
-        if sched.num_global:
-            sched.drain([self.decode_report(j).num_tokens for j in range(self.num_decode)])
-        for j in range(self.num_decode):
+        up = self._up_decodes()
+        if len(up) < self.num_decode:
+            self._unbind_down_decodes()
+        # Phase 1 over the decode instances that are up: a down one's load counts as
+        # unlimited; round robin may still hand it a turn, so what lands there goes back and
+        # the drain runs again (its cursor moves on: each request lands on an instance that
+        # is up within one pass over the instances).
+        for _ in range(self.num_decode * max(1, sched.num_global)):
+            if not sched.num_global or not up:
+                break
+            sched.drain([self.decode_report(j).num_tokens if j in up else UNLIMITED_HBM_BYTES
+                         for j in range(self.num_decode)])
+            if len(up) == self.num_decode:
+                break
+            self._unbind_down_decodes()
+        for j in up:
             if not sched.num_private(j):
                 continue
             de_fetch = sched.de_fetch(j, [self.decode_report(j)], self.read_q_by_node())
@@ -234,11 +301,19 @@ class RoutePolicy:
         return q
 
     def prefill_report(self, i: int) -> EngineReport:
+        """Prefill instance `i`'s loads; a down one reports more than beta tokens, so neither
+        Algorithm 1 nor round robin gives it a request."""
+        num, tokens = self._prefill_load(i)
+        if not self.is_up(Role.PREFILL, i):
+            tokens = max(tokens, int(self.params.beta_tokens) + 1)
+        return EngineReport(i, i, Role.PREFILL, num, tokens, self.read_q_by_node()[i],
+                            UNLIMITED_HBM_BYTES)
+
+    def _prefill_load(self, i: int) -> tuple[int, int]:
+        """(requests, charged tokens) routed to prefill instance `i` and not yet replied."""
         mine = [q.request for q in self._requests.values()
                 if q.route is not None and not q.is_prefilled and q.route.prefill == i]
-        return EngineReport(i, i, Role.PREFILL, len(mine),
-                            sum(self.sched.pe_charge(r) for r in mine),
-                            self.read_q_by_node()[i], UNLIMITED_HBM_BYTES)
+        return len(mine), sum(self.sched.pe_charge(r) for r in mine)
 
     def decode_report(self, j: int) -> EngineReport:
         bound = [q for q in self._requests.values() if q.de is not None and q.de[0] == j]
@@ -272,15 +347,17 @@ class RoutePolicy:
         c = self.counters
         prefill = []
         for i in range(self.num_prefill):
-            rep = self.prefill_report(i)
-            prefill.append({"index": i, "node": i, "in_flight": rep.num_seqs,
-                            "in_flight_tokens": rep.num_tokens, "read_queue_tokens": read_q[i],
+            num, tokens = self._prefill_load(i)
+            prefill.append({"index": i, "node": i, "up": self.is_up(Role.PREFILL, i),
+                            "in_flight": num, "in_flight_tokens": tokens,
+                            "read_queue_tokens": read_q[i],
                             "metrics": _metrics_dict(self.metrics.get(("prefill", i)))})
         decode = []
         for j in range(self.num_decode):
             rep = self.decode_report(j)
             free = rep.free_hbm_bytes
-            decode.append({"index": j, "node": rep.node_id, "in_flight": rep.num_seqs,
+            decode.append({"index": j, "node": rep.node_id, "up": self.is_up(Role.DECODE, j),
+                           "in_flight": rep.num_seqs,
                            "in_flight_tokens": rep.num_tokens,
                            "read_queue_tokens": rep.read_q_tokens,
                            "free_kv_bytes": None if free == UNLIMITED_HBM_BYTES else free,
@@ -290,7 +367,7 @@ class RoutePolicy:
             "requests_by_path": {p: c.requests_by_path[p] for p in ("pe", "de", "split", "none")},
             "hit_blocks_by_side": {s: c.blocks_by_side[s] for s in ("pe", "de")},
             "hit_bytes_by_side": {s: c.blocks_by_side[s] * full_block_bytes for s in ("pe", "de")},
-            "finished": c.num_finished, "aborted": c.num_aborted,
+            "finished": c.num_finished, "aborted": c.num_aborted, "requeued": c.num_requeued,
             "prefill": prefill, "decode": decode,
         }
 
