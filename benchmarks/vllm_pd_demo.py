@@ -188,6 +188,14 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, help="keep the store, logs and event logs here "
                     "(default: a temporary folder, removed)")
     ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
+    ap.add_argument("--dtype", default="float32", help="vLLM's dtype (default: %(default)s)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs on (default: "
+                    "--enforce-eager)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--gpus", help="comma-separated GPU ids, tensor-parallel-size per server "
+                    "(an id may repeat: servers sharing a GPU)")
+    ap.add_argument("--vllm-args", default="", help="more vLLM server arguments, one string "
+                    "(e.g. '--block-size 16 --gpu-memory-utilization 0.3')")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.model.weights import smollm2_folder
@@ -199,9 +207,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-pd-") as tmp:
         work = args.workdir or Path(tmp)
         spec = VllmClusterSpec(model=args.model, store=work / "store", python=sys.executable,
-                           hosts=args.hosts,
+                           hosts=args.hosts, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           gpus=tuple(g for g in (args.gpus or "").split(",") if g),
                            extra_args=("--enable-prompt-tokens-details",
-                                       "--served-model-name", "smollm2"))
+                                       "--served-model-name", "smollm2",
+                                       *args.vllm_args.split()))
         t = time.perf_counter()
         with VllmCluster(spec) as cluster:
             startup_s = round(time.perf_counter() - t, 1)
@@ -222,14 +233,15 @@ def main() -> int:
                     "pe": pd_turn(cluster, model, p2, args.turn2_tokens, hit, hit),
                     "de": pd_turn(cluster, model, p2, args.turn2_tokens, hit, 0),
                     "split": pd_turn(cluster, model, p2, args.turn2_tokens, hit, 1)}
-            victim = store.path_of(keys[hit - 1])
+            victim = store.path_of(m.stored_key(keys[hit - 1]))  # the last rank's shard
             data = bytearray(victim.read_bytes())
             data[64 + 1000] ^= 0xFF
             victim.write_bytes(bytes(data))
             runs["de_corrupt"] = pd_turn(cluster, model, p2, args.turn2_tokens, hit, 0)
             rewritten = False  # the decode server writes it in the background: allow 10 s
             for _ in range(20):
-                rewritten = store.get_into(keys[hit - 1], bytearray(store.full_block_bytes))
+                rewritten = store.get_into(m.stored_key(keys[hit - 1]),
+                                           bytearray(store.full_block_bytes))
                 if rewritten:
                     break
                 time.sleep(0.5)

@@ -1,0 +1,334 @@
+"""The vLLM connector's data path against this machine's plain rates, and the router's cost.
+
+Loads `--gb` of stored blocks (page-cache warm, unpaced) into vLLM-shaped paged KV (one raw
+buffer, per-layer `[B, H, N, C]` views in LBHNC, what the connector asks vLLM for) of a
+70B-shaped model (64 layers, 8 KV heads / `--tp`, head dim 128, bf16), with 16- and 128-token
+blocks, through:
+
+- **PE**: the prefill node's own store reads (`kvio.KVWorker.load`: one verified `preadv` per
+  Full Block) and their per-layer copies into the paged KV (`inject`, once per layer);
+- **DE**: the DE read path's staging pull: the decode side's staging service reads the blocks
+  into its slots (`stage` over the side channel), and the prefill side pulls them per layer over
+  NIXL (UCX, in one process here) into its paged KV (`PrefillRemote.load` / `inject`);
+
+beside two baselines measured in the same run on the same bytes: a plain `read` (`os.preadv`
+of each block's file into one buffer, no checksum) and a plain `memcpy` (one copy of the same
+number of bytes between two preallocated buffers). Each rate is the median of `--repeats`
+after a warm-up. Then the router's scheduling cost (`RoutePolicy.schedule`) with
+`--instances` (half prefill, half decode) and `--waiting` requests queued, and the cost of
+counting a 32K-token prompt's stored prefix (`StoreManifest.hit_blocks`, a `stat` per block).
+
+Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
+`--repeats`, `--block-tokens`, `--tp`, `--paths`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dualpath.core.blocks import block_keys
+from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.manifest import StoreManifest
+from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
+
+GB = 10**9
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 64, 8, 128, 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One rank's KV of a 70B-shaped model, `block_tokens` per block."""
+
+    block_tokens: int
+    heads: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.heads * self.block_tokens * 2 * HEAD_DIM * DTYPE_BYTES
+
+    @property
+    def full_block_bytes(self) -> int:
+        return LAYERS * self.page_bytes
+
+
+def median_s(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: page cache, first touch, NIXL connections
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paged_kv(shape: Shape, num_blocks: int, device: str) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer views of one raw buffer, LBHNC: layer-major, a page per block."""
+    raw = torch.zeros(LAYERS * num_blocks * shape.page_bytes // DTYPE_BYTES,
+                      dtype=torch.bfloat16, device=device)
+    per_layer = raw.view(LAYERS, num_blocks, shape.heads, shape.block_tokens, 2 * HEAD_DIM)
+    return {f"model.layers.{i}.self_attn.attn": per_layer[i] for i in range(LAYERS)}
+
+
+def fill_store(store: BlockStore, num_blocks: int, block_tokens: int) -> list[bytes]:
+    keys = block_keys(list(range(num_blocks * block_tokens)), block_tokens)
+    g = torch.Generator().manual_seed(0)
+    block = torch.randint(0, 256, (store.full_block_bytes,), dtype=torch.uint8, generator=g)
+    for i, key in enumerate(keys):
+        block[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
+        store.put(key, block.numpy().data, overwrite=False)
+    return keys
+
+
+def plain_read(store: BlockStore, keys: list[bytes]) -> Callable[[], None]:
+    buf = bytearray(store.file_bytes)
+
+    def run() -> None:
+        for key in keys:
+            fd = os.open(store.path_of(key), os.O_RDONLY)
+            try:
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+    return run
+
+
+def plain_memcpy(num_bytes: int) -> Callable[[], None]:
+    """libc's memmove of the same bytes between two touched buffers (one thread)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+
+    def run() -> None:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_bytes)
+    return run
+
+
+def check_pages(kv: dict[str, torch.Tensor], store: BlockStore, keys: list[bytes],
+                shape: Shape, block_ids: list[int]) -> None:
+    """The first and last block's first and last pages hold the stored bytes."""
+    names = list(kv)
+    buf = torch.empty(store.full_block_bytes, dtype=torch.uint8)
+    for b in {0, len(keys) - 1}:
+        assert store.get_into(keys[b], buf.numpy())
+        for layer in {0, LAYERS - 1}:
+            lo = layer * shape.page_bytes
+            got = kv[names[layer]][block_ids[b]].cpu().contiguous().view(torch.uint8).flatten()
+            if not torch.equal(got, buf[lo:lo + shape.page_bytes]):
+                raise SystemExit(f"connector_bench: block {b} layer {layer}: wrong bytes")
+
+
+def sync(kv: dict[str, torch.Tensor]) -> None:
+    """Wait for the GPU's queued copies (a timed run ends when the bytes are in place)."""
+    first = next(iter(kv.values()))
+    if first.is_cuda:
+        torch.cuda.synchronize(first.device)
+
+
+def pe_load(worker: KVWorker, kv: dict[str, torch.Tensor], keys: list[bytes],
+            block_ids: list[int]) -> Callable[[], None]:
+    plan = StepPlan(loads=[BlockTransfer("r", 0, tuple(block_ids), tuple(keys))])
+
+    def run() -> None:
+        worker.bind(plan)
+        worker.load()
+        for name, layer in kv.items():
+            worker.inject(name, layer)
+        worker.flush()
+        sync(kv)
+        if worker.take_load_errors():
+            raise SystemExit("connector_bench: PE load errors")
+    return run
+
+
+@contextlib.contextmanager
+def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
+            keys: list[bytes], block_ids: list[int]) -> Iterator[Callable[[], None]]:
+    """The DE read path in one process: a staging service (side channel, slots, NIXL target)
+    and the prefill side's `PrefillRemote` over `kv`."""
+    from dualpath.integrations.vllm.connector.remote import PrefillRemote
+    from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
+    from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+    from dualpath.transport.nixl import NixlAgent, agent_name
+    from dualpath.transport.slots import SlotPool
+
+    pool = StagingPool(SlotPool(None, store.full_block_bytes, len(keys)))
+    target = NixlAgent(agent_name("bench-decode"), progress_thread=True)
+    target.register([(pool.base, pool.num_slots * store.full_block_bytes)])
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect)
+    prefill = PrefillRemote(worker, kv)
+
+    def run() -> None:
+        xfer = uuid.uuid4().hex
+        plan = StepPlan(remote_loads=[RemoteLoad(xfer, channel.address, BlockTransfer(
+            "r", 0, tuple(block_ids), tuple(keys)))])
+        worker.bind(plan)
+        prefill.bind(plan)
+        prefill.request_stages()
+        worker.load()
+        prefill.load()
+        for name in kv:
+            prefill.inject(name)
+        prefill.flush()
+        worker.flush()
+        sync(kv)
+        pool.release(xfer)
+        if worker.take_load_errors():
+            raise SystemExit("connector_bench: DE load errors")
+    try:
+        yield run
+    finally:
+        prefill.close()
+        channel.close()
+        target.close()
+        pool.close()
+
+
+def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
+                root: Path, read_threads: int, device: str) -> list[dict[str, float | str]]:
+    num_blocks = max(2, total_bytes // shape.full_block_bytes)
+    nbytes = num_blocks * shape.full_block_bytes
+    store = BlockStore(root / f"store-{shape.block_tokens}", shape.full_block_bytes,
+                       is_durable=False)
+    keys = fill_store(store, num_blocks, shape.block_tokens)
+    kv = paged_kv(shape, num_blocks + 1, device)
+    block_ids = list(range(num_blocks, 0, -1))  # not the order they are stored in
+    worker = KVWorker(store, list(kv), shape.page_bytes, read_threads=read_threads)
+    worker.register(kv)  # as the connector does (`register_kv_caches`)
+    rows: list[dict[str, float | str]] = []
+
+    def row(path: str, seconds: float) -> None:
+        rows.append({"block_tokens": shape.block_tokens, "path": path,
+                     "gb": nbytes / GB, "s": seconds, "gb_per_s": nbytes / seconds / GB})
+
+    row("plain read", median_s(plain_read(store, keys), repeats))
+    row("plain memcpy", median_s(plain_memcpy(nbytes), repeats))
+    if "pe" in paths:
+        row("PE load (KVWorker)", median_s(pe_load(worker, kv, keys, block_ids), repeats))
+        check_pages(kv, store, keys, shape, block_ids)
+    if "de" in paths:
+        for layer in kv.values():
+            layer.zero_()
+        with de_pull(store, worker, kv, keys, block_ids) as run:
+            row("DE staging pull", median_s(run, repeats))
+        check_pages(kv, store, keys, shape, block_ids)
+    return rows
+
+
+def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, float]:
+    """`RoutePolicy.schedule` with `num_waiting` queued 32K-token requests (2,000-block hits
+    of 16 tokens) over `num_instances`, and a 32K prompt's stored-prefix count."""
+    num_prefill = num_instances // 2
+    params, is_rr = route_params("dualpath", 16, Shape(16, KV_HEADS).full_block_bytes / 16)
+    policy = RoutePolicy(params, num_prefill, num_instances - num_prefill, is_rr)
+    for i in range(num_waiting):
+        policy.submit(i, 32_768, 2_000, 256)
+    t0 = time.perf_counter()
+    placed = policy.schedule()
+    first_s = time.perf_counter() - t0
+    events = []
+    for route in placed[:200]:
+        policy.prefill_done(route.request_id)
+        t0 = time.perf_counter()
+        policy.schedule()
+        events.append(time.perf_counter() - t0)
+    store = BlockStore(root / "router-store", 16, is_durable=False)
+    manifest = StoreManifest(namespace=bytes(16).hex(), model="m", block_size=16,
+                             full_block_bytes=16)
+    tokens = list(range(32_768))
+    for key in block_keys(tokens, 16, manifest.namespace_bytes):
+        store.put(key, bytes(16), overwrite=False)
+    hit_s = median_s(lambda: None if manifest.hit_blocks(tokens, store.contains) == 2047
+                     else sys.exit("connector_bench: wrong hit"), 5)
+    return {"instances": num_instances, "waiting": num_waiting, "placed": len(placed),
+            "first_schedule_ms": first_s * 1e3,
+            "event_schedule_ms": statistics.median(events) * 1e3 if events else 0.0,
+            "hit_blocks_32k_ms": hit_s * 1e3}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.0, help="stored KV loaded per path and "
+                    "block size, GB (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per rate, after a "
+                    "warm-up (default: %(default)s)")
+    ap.add_argument("--block-tokens", default="16,128", help="vLLM block sizes, "
+                    "comma-separated (default: %(default)s)")
+    ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="tensor-parallel "
+                    "size: one rank's share of the 8 KV heads (default: %(default)s)")
+    ap.add_argument("--paths", default="pe,de", help="pe, de or both (default: %(default)s)")
+    ap.add_argument("--instances", type=int, default=40, help="router: vLLM instances, half "
+                    "prefill (default: %(default)s)")
+    ap.add_argument("--waiting", type=int, default=2000, help="router: queued requests "
+                    "(default: %(default)s)")
+    ap.add_argument("--dir", type=Path, help="where the store goes (default: a temp folder)")
+    ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (the "
+                    "copies'; on a shared 2-core machine more than one slows large copies "
+                    "10x) (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="where the paged KV lives: cpu, or cuda "
+                    "(loads staged in pinned memory, NIXL pulls into VRAM) (default: "
+                    "%(default)s)")
+    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON "
+                    "line (for benchmarks/gpu_check.py)")
+    ap.add_argument("--read-threads", type=int, default=16, help="the PE path's parallel "
+                    "store reads (KVWorker read_threads) (default: %(default)s)")
+    args = ap.parse_args()
+    if not args.gb > 0 or args.repeats < 1:
+        ap.error("--gb must be > 0 and --repeats >= 1")
+    paths = [p for p in args.paths.split(",") if p]
+    if not set(paths) <= {"pe", "de"}:
+        ap.error(f"--paths: {args.paths!r}: pe, de or pe,de")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device here")
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="connector-bench-", dir=args.dir) as tmp:
+        root = Path(tmp)
+        rows = []
+        for bt in (int(x) for x in args.block_tokens.split(",")):
+            shape = Shape(bt, KV_HEADS // args.tp)
+            print(f"== {bt}-token blocks: page {shape.page_bytes >> 10} KiB, Full Block "
+                  f"{shape.full_block_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+            rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
+                                args.read_threads, args.device)
+        router = router_cost(args.instances, args.waiting, root)
+    print(f"70B-shaped KV (64 layers, {KV_HEADS // args.tp} KV heads per rank, head 128, "
+          f"bf16) on {args.device}, {args.gb:g} GB per row, median of {args.repeats}, "
+          f"torch threads {torch.get_num_threads()}, read threads {args.read_threads}\n")
+    print("| block | path | GB/s | of plain read | of plain memcpy |")
+    print("| --- | --- | --- | --- | --- |")
+    base: dict[tuple[object, str], float] = {(r["block_tokens"], str(r["path"])): float(
+        r["gb_per_s"]) for r in rows}
+    for r in rows:
+        read = base[(r["block_tokens"], "plain read")]
+        copy = base[(r["block_tokens"], "plain memcpy")]
+        rate = float(r["gb_per_s"])
+        print(f"| {r['block_tokens']} | {r['path']} | {rate:.2f} | {rate / read:.0%} | "
+              f"{rate / copy:.0%} |")
+    if args.json:
+        print(json.dumps({"device": args.device, "rows": rows, "router": router}))
+    print(f"\nrouter, {router['instances']:.0f} instances, {router['waiting']:.0f} waiting "
+          f"32K-token requests: first schedule() {router['first_schedule_ms']:.1f} ms "
+          f"({router['placed']:.0f} placed), then {router['event_schedule_ms']:.1f} ms per "
+          f"event (median); a 32K prompt's stored prefix (2,047 blocks of 16): "
+          f"{router['hit_blocks_32k_ms']:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
