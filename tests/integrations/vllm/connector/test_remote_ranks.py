@@ -153,3 +153,37 @@ def test_a_gpu_ranks_paged_kv_is_registered_as_vram_on_its_device() -> None:
     agent.register_tensors([layer])
     assert calls == [([(0x7F0000000000, 8192, 5, "")], "VRAM")]
     agent.close()
+
+
+def test_a_stale_pushed_slot_is_a_load_error_not_wrong_kv(
+        ranks: tuple[str, list[Rank]]) -> None:
+    """The prefill worker commits each pushed block's CRC32C; a slot whose bytes are not what
+    it wrote (a WRITE that raced the GPU, a slot reused) fails the decode worker's check, and
+    the request is recomputed from that block."""
+    de, (r, _) = ranks
+    computed = [torch.randint(0, 255, (FULL,), dtype=torch.uint8) for _ in range(2)]
+    plan = StepPlan(pushes=[Push("y", de, "q", (0, 1), (3, 4), hit_blocks=0)])
+    r.p_worker.bind(plan)
+    r.prefill.bind(plan)
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((3, 4), computed, strict=True):
+            r.p_kv[name][block_id].copy_(page_of(block, i))
+        r.prefill.capture(name)
+    r.prefill.flush()
+    assert r.p_worker.counters.pushed_blocks == 2
+    (_, second) = r.pool.lookup(r.shard.xfer("y"), [0, 1])
+    assert second is not None
+    r.pool.view(second)[PAGE + 17] ^= 0xFF  # layer 1's page of block 1, after the commit
+    kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+    remote = DecodeRemote(r.d_worker, r.pool)
+    load = StepPlan(xfer_loads=[XferLoad("y", "q", 0, (6, 7))])
+    r.d_worker.bind(load)
+    remote.bind(load)
+    remote.load()
+    for name in LAYERS:
+        remote.inject(name, kv[name])
+    assert r.d_worker.take_load_errors() == {7}  # block 0 loads, block 1 is recomputed
+    assert r.d_worker.counters.remote_errors == 1
+    for i, name in enumerate(LAYERS):
+        assert same(kv[name][6], page_of(computed[0], i))
+        assert not kv[name][7].any()

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+import crc32c
 import torch
 
 from dualpath.integrations.vllm.connector.kvio import (
@@ -73,6 +74,8 @@ class PrefillRemote:
         self._reads: dict[int, list[tuple[str, Pending]]] = defaultdict(list)
         self._writes: list[tuple[Push, Pending]] = []
         self._push_slots: dict[str, list[tuple[int, int]]] = {}
+        self._push_indices: dict[str, list[int]] = {}
+        """req_id -> the prompt's block index of each entry of `_push_slots`."""
         """req_id -> (block id, slot address) of the step's pushes."""
         self._requested: set[int] = set()
         """Remote loads of this step whose `stage` was sent by `request_stages`."""
@@ -154,6 +157,7 @@ class PrefillRemote:
         self._reads.clear()
         self._writes = []
         self._push_slots = {}
+        self._push_indices = {}
 
     def request_stages(self) -> None:
         """Ask each decode node to stage the step's DE-side hits, without waiting: its
@@ -253,6 +257,23 @@ class PrefillRemote:
                 continue
             self._push_slots[p.req_id] = [
                 (p.block_ids[b], a) for b, a in zip(indices, addresses, strict=True)]
+            self._push_indices[p.req_id] = indices
+
+    def _push_crcs(self, p: Push) -> dict[int, int] | None:
+        """The CRC32C of each pushed Full Block (its pages in layer order, as written), for
+        the decode worker to check: a stale or damaged slot becomes a load error there, never
+        wrong KV. None on a GPU (the pages are not in host memory; the CUDA event before each
+        WRITE is the guard there)."""
+        if any(layer.is_cuda for layer in self._layers):
+            return None
+        crcs = {}
+        for index, (block_id, _) in zip(self._push_indices.get(p.req_id, ()),
+                                        self._push_slots.get(p.req_id, ()), strict=True):
+            crc = 0
+            for layer in self._layers:
+                crc = crc32c.crc32c(layer[block_id].view(torch.uint8).numpy().data, crc)
+            crcs[index] = crc
+        return crcs
 
     def _push_failed(self, p: Push, e: Exception) -> None:
         self._push_slots.pop(p.req_id, None)
@@ -274,7 +295,7 @@ class PrefillRemote:
                 # is recomputed and pushed again, never committed from this step.
                 continue
             try:
-                self._peer(p.de)[0].commit(self.kv.shard.xfer(p.xfer))
+                self._peer(p.de)[0].commit(self.kv.shard.xfer(p.xfer), self._push_crcs(p))
             except (SideChannelError, OSError) as e:
                 self._push_failed(p, e)
                 continue
@@ -385,6 +406,8 @@ class Slots(Protocol):
 
     def view(self, slot: int) -> torch.Tensor: ...
 
+    def checksums(self, xfer: str, blocks: Sequence[int]) -> list[int | None]: ...
+
     def release(self, xfer: str) -> None: ...
 
 
@@ -411,12 +434,19 @@ class DecodeRemote:
             except (SideChannelError, OSError) as e:
                 self.kv.remote_error(x.req_id, "lookup", str(e))
                 slots = [None] * len(blocks)
+            crcs = self.pool.checksums(self.kv.shard.xfer(x.xfer), list(blocks))
             ok = 0
-            for block_id, slot in zip(x.block_ids, slots, strict=True):
+            for block_id, slot, crc in zip(x.block_ids, slots, crcs, strict=True):
                 if slot is None:
                     self.kv.report_load_error(x.req_id, block_id)
                     break
-                self._staged.append((block_id, self.pool.view(slot)))
+                view = self.pool.view(slot)
+                if crc is not None and crc32c.crc32c(view.numpy().data) != crc:
+                    self.kv.remote_error(x.req_id, "checksum", f"block {x.first_block + ok}: "
+                                         "its slot does not hold what the prefill wrote")
+                    self.kv.report_load_error(x.req_id, block_id)
+                    break
+                self._staged.append((block_id, view))
                 ok += 1
             self.kv.count(xfer_loaded_blocks=ok)
             self.kv.log_event({"event": "xfer_load", "req_id": x.req_id, "xfer": x.xfer,

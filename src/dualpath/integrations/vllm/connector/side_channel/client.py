@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -80,11 +80,17 @@ class SideChannelClient:
         """Slot addresses for `blocks` of `xfer`."""
         return self.call(Alloc(xfer, tuple(blocks)), Slots).slots
 
-    def commit(self, xfer: str) -> None:
-        self.call(Commit(xfer), Done)
+    def commit(self, xfer: str, crcs: Mapping[int, int] | None = None) -> None:
+        """`crcs`: block index -> the CRC32C of the Full Block written into its slot."""
+        blocks = tuple(crcs or ())
+        self.call(Commit(xfer, blocks, tuple((crcs or {})[b] for b in blocks)), Done)
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
-        return list(self.call(Lookup(xfer, tuple(blocks)), Found).slots)
+        return list(self.find(xfer, blocks).slots)
+
+    def find(self, xfer: str, blocks: Sequence[int]) -> Found:
+        """`lookup` with the writers' CRC32Cs."""
+        return self.call(Lookup(xfer, tuple(blocks)), Found)
 
     def release(self, xfer: str) -> None:
         self.call(Release(xfer), Done)
@@ -109,15 +115,24 @@ class RemotePool:
         # no segment outlives them, however they end (the memory goes with the last mapping).
         self._slots.unlink()
         self._buffer = torch.frombuffer(self._slots.view, dtype=torch.uint8)
+        self._crcs: dict[str, dict[int, int | None]] = {}
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
-        return self.client.lookup(xfer, blocks)
+        found = self.client.find(xfer, blocks)
+        self._crcs[xfer] = dict(zip(blocks, found.crcs, strict=False))
+        return list(found.slots)
+
+    def checksums(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
+        """The CRC32Cs the last `lookup` of `xfer` returned (None: none given)."""
+        known = self._crcs.get(xfer, {})
+        return [known.get(b) for b in blocks]
 
     def view(self, slot: int) -> torch.Tensor:
         lo = slot * self.full_block_bytes
         return self._buffer[lo:lo + self.full_block_bytes]
 
     def release(self, xfer: str) -> None:
+        self._crcs.pop(xfer, None)
         self.client.release(xfer)
 
     def close(self) -> None:

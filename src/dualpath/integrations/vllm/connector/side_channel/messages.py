@@ -69,8 +69,14 @@ class Alloc(_OfBlocks):
     keeps its slot)."""
 
 
+@dataclass(frozen=True)
 class Commit(_OfXfer):
-    """The prefill worker's writes into `xfer`'s slots are complete."""
+    """The prefill worker's writes into `xfer`'s slots are complete. `crcs[i]`: the CRC32C of
+    the Full Block it wrote for `blocks[i]` (the pages it read from its paged KV), which the
+    decode worker checks before loading the slot (none from a GPU worker)."""
+
+    blocks: tuple[int, ...] = ()
+    crcs: tuple[int, ...] = ()
 
 
 class Lookup(_OfBlocks):
@@ -113,9 +119,11 @@ class Slots(Reply):
 
 @dataclass(frozen=True)
 class Found(Reply):
-    """Reply to `Lookup`: each block's slot index, None where it holds no valid bytes."""
+    """Reply to `Lookup`: each block's slot index, None where it holds no valid bytes, and
+    the CRC32C its writer gave for it (None: none given; `()` from an older service)."""
 
     slots: tuple[int | None, ...]
+    crcs: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -104,10 +104,11 @@ class DecodeSideChannel:
             slots = self.pool.alloc(msg.xfer, msg.blocks)
             return Slots(tuple(self.pool.address(s) for s in slots))
         if isinstance(msg, Commit):
-            self.pool.commit(msg.xfer)
+            self.pool.commit(msg.xfer, dict(zip(msg.blocks, msg.crcs, strict=True)))
             return Done()
         if isinstance(msg, Lookup):  # the decode worker: which slots hold a request's blocks
-            return Found(tuple(self.pool.lookup(msg.xfer, msg.blocks)))
+            return Found(tuple(self.pool.lookup(msg.xfer, msg.blocks)),
+                         tuple(self.pool.checksums(msg.xfer, msg.blocks)))
         if isinstance(msg, Release):  # the decode worker loaded them
             self.pool.release(msg.xfer)
             return Done()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,8 @@ class _Xfer:
     """Blocks read from storage here (valid once staged)."""
     is_committed: bool = False
     """The prefill worker's pushed blocks are complete."""
+    crcs: dict[int, int] = field(default_factory=dict)
+    """block index -> the CRC32C its writer gave for its slot's bytes."""
     num_reading: int = 0
     """Store reads (`Stage`) writing into the transfer's slots now."""
     is_released: bool = False
@@ -105,12 +107,15 @@ class StagingPool:
                 raise SideChannelError(f"transfer {xfer} was released while staging")
             x.staged.update(blocks)
 
-    def commit(self, xfer: str) -> None:
+    def commit(self, xfer: str, crcs: Mapping[int, int] | None = None) -> None:
+        """The pushed blocks of `xfer` are complete (`crcs`: block index -> the CRC32C of its
+        slot's bytes as written, checked by the reader)."""
         with self._lock:
             x = self._xfers.get(xfer)
             if x is None or x.is_released:
                 raise SideChannelError(f"unknown transfer {xfer}")
             x.is_committed = True
+            x.crcs.update(crcs or {})
             x.touched_at = time.monotonic()
 
     def lookup(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
@@ -121,6 +126,12 @@ class StagingPool:
                 return [None] * len(blocks)
             return [x.slots[b] if b in x.slots and (b in x.staged or x.is_committed) else None
                     for b in blocks]
+
+    def checksums(self, xfer: str, blocks: Sequence[int]) -> list[int | None]:
+        """The CRC32C each block's writer gave (None: none)."""
+        with self._lock:
+            x = self._xfers.get(xfer)
+            return [None if x is None else x.crcs.get(b) for b in blocks]
 
     def release(self, xfer: str) -> None:
         """`xfer`'s slots go back to the pool (once its store reads in progress end)."""
