@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from dualpath.runtime.transfer import make_transfer_engine
-from dualpath.transport.errors import TransferError
 from dualpath.transport.nixl import is_nixl_available
 from dualpath.transport.slots import SlotPool
+from dualpath.transport.transfer_error import TransferError
 
 
 @pytest.fixture

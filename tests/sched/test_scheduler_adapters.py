@@ -28,7 +28,7 @@ from dualpath.sched.cost import coefficients_for
 from dualpath.sched.params import PathMode, SchedulerParams
 from dualpath.sched.types import EngineReport, Role, WaitingRequest
 from dualpath.sim import SimConfig, SimParams, Workload, mode_preset
-from dualpath.sim.policy import Policy
+from dualpath.sim.sched_adapter import Policy
 
 P, D, G = 1, 2, 2  # prefill nodes, decode nodes, engines per node
 PE_NODES = range(P)

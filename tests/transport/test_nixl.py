@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
-from dualpath.transport.errors import TransferError
 from dualpath.transport.nixl import NixlAgent, agent_name, tensor_memory
+from dualpath.transport.transfer_error import TransferError
 
 
 @dataclass
@@ -94,7 +94,7 @@ def test_tensors_register_once_each_as_their_memory_type(two: Two) -> None:
 TIMEOUT_SCRIPT = """
 import sys, time
 import numpy as np
-from dualpath.transport.errors import TransferError
+from dualpath.transport.transfer_error import TransferError
 from dualpath.transport.nixl import NixlAgent, agent_name
 
 target = NixlAgent(agent_name("target"), progress_thread=sys.argv[1] == "1")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.transport.errors import BufferFullError
 from dualpath.transport.slots import SlotPool
+from dualpath.transport.transfer_error import BufferFullError
 
 
 @pytest.fixture

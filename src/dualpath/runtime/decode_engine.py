@@ -45,7 +45,7 @@ from dualpath.runtime.messages import (
 )
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.node_context import NodeContext, ReadJob
-from dualpath.transport.errors import BufferFullError
+from dualpath.transport.transfer_error import BufferFullError
 
 
 @dataclass

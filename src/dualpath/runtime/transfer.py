@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Protocol
 
-from dualpath.transport.errors import TransferError
 from dualpath.transport.nixl import NixlAgent, is_nixl_available
+from dualpath.transport.transfer_error import TransferError
 
 Descriptor = tuple[int, int, int]
 """(local_offset, remote_offset, num_bytes) inside the two registered segments."""

@@ -35,11 +35,10 @@ from collections.abc import Callable
 from dualpath.sched import cost as costmod
 from dualpath.sched.scheduler import Stage
 from dualpath.sched.types import EngineReport, ReadPlan, Role, WaitingRequest
-from dualpath.sim.cluster import Cluster
 from dualpath.sim.config import SimConfig
 from dualpath.sim.flows import Flow, FlowNet, Link
 from dualpath.sim.kernel import EventLoop
-from dualpath.sim.policy import Policy
+from dualpath.sim.sched_adapter import Policy
 from dualpath.sim.state import (
     DecodeGroup,
     Engine,
@@ -49,6 +48,7 @@ from dualpath.sim.state import (
     StepPart,
     TtftLog,
 )
+from dualpath.sim.topology import Cluster
 
 ProgressFn = Callable[[int], None]
 

@@ -14,11 +14,11 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from dualpath.sched.mode import Mode
-    from dualpath.sim.cluster import Cluster
     from dualpath.sim.config import SimConfig
     from dualpath.sim.flows import FlowNet, Link
     from dualpath.sim.handlers import Handlers
     from dualpath.sim.kernel import EventLoop
+    from dualpath.sim.topology import Cluster
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -14,14 +14,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from dualpath.sim.cluster import Cluster
 from dualpath.sim.config import SimConfig
 from dualpath.sim.drivers import drive
 from dualpath.sim.flows import FlowNet
 from dualpath.sim.handlers import Handlers
 from dualpath.sim.kernel import EventLoop
-from dualpath.sim.policy import Policy
 from dualpath.sim.result import SimResult, build_result
+from dualpath.sim.sched_adapter import Policy
+from dualpath.sim.topology import Cluster
 
 ProgressFn = Callable[[int], None]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dualpath.transport.errors import TransferError
+from dualpath.transport.transfer_error import TransferError
 
 Desc = tuple[int, int, int]
 """(local address, remote address, bytes)."""

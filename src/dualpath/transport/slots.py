@@ -27,7 +27,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from dualpath.core.validate import positive_int
-from dualpath.transport.errors import BufferFullError
+from dualpath.transport.transfer_error import BufferFullError
 
 
 class SlotPool:

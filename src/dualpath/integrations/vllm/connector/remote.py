@@ -49,8 +49,8 @@ from dualpath.integrations.vllm.connector.side_channel.messages import (
     Staged,
 )
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
-from dualpath.transport.errors import TransferError
 from dualpath.transport.nixl import Desc, NixlAgent, Pending, agent_name
+from dualpath.transport.transfer_error import TransferError
 
 
 class PrefillRemote:

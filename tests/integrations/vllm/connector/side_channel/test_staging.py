@@ -12,9 +12,9 @@ import pytest
 
 from dualpath.integrations.vllm.connector.side_channel.messages import SideChannelError
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
-from dualpath.transport.errors import BufferFullError
 from dualpath.transport.nixl import WAIT_TIMEOUT_S
 from dualpath.transport.slots import SlotPool
+from dualpath.transport.transfer_error import BufferFullError
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.core.units import GB
 from dualpath.sim import SimConfig, SimParams, SimResult
-from dualpath.sim.cluster import Cluster
+from dualpath.sim.topology import Cluster
 
 
 def test_a_turn_no_decode_engine_can_hold_is_refused_up_front() -> None:
