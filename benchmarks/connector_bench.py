@@ -198,6 +198,57 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
         pool.close()
 
 
+def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
+    """Seconds `PrefillRemote.load` + `inject` take to post and wait the NIXL READs of
+    `num_blocks` staged blocks x 64 layers of 512 B pages (so the descriptors' cost, not the
+    bytes', dominates), the stage itself done before the clock starts; median of `repeats`."""
+    from dualpath.integrations.vllm.connector.remote import PrefillRemote
+    from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
+    from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+    from dualpath.transport.nixl import NixlAgent, agent_name
+    from dualpath.transport.slots import SlotPool
+
+    shape = Shape(1, 1)
+    store = BlockStore(root / "store-pull", shape.full_block_bytes, is_durable=False)
+    keys = fill_store(store, num_blocks, shape.block_tokens)
+    kv = paged_kv(shape, num_blocks + 1, "cpu")
+    block_ids = list(range(num_blocks, 0, -1))
+    worker = KVWorker(store, list(kv), shape.page_bytes)
+    worker.register(kv)
+    pool = StagingPool(SlotPool(None, store.full_block_bytes, num_blocks))
+    target = NixlAgent(agent_name("bench-decode"), progress_thread=True)
+    target.register([(pool.base, pool.num_slots * store.full_block_bytes)])
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect)
+    prefill = PrefillRemote(worker, kv)
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            xfer = uuid.uuid4().hex
+            plan = StepPlan(remote_loads=[RemoteLoad(xfer, channel.address, BlockTransfer(
+                "r", 0, tuple(block_ids), tuple(keys)))])
+            worker.bind(plan)
+            prefill.bind(plan)
+            prefill.request_stages()
+            while None in pool.lookup(worker.shard.xfer(xfer), range(num_blocks)):
+                time.sleep(0.001)
+            t0 = time.perf_counter()
+            prefill.load()
+            for name in kv:
+                prefill.inject(name)
+            times.append(time.perf_counter() - t0)
+            prefill.flush()
+            pool.release(worker.shard.xfer(xfer))
+            if worker.take_load_errors():
+                raise SystemExit("connector_bench: pull load errors")
+        check_pages(kv, store, keys, shape, block_ids)
+    finally:
+        prefill.close()
+        channel.close()
+        target.close()
+        pool.close()
+    return statistics.median(times[1:])
+
+
 def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                 root: Path, read_threads: int, device: str) -> list[dict[str, float | str]]:
     num_blocks = max(2, total_bytes // shape.full_block_bytes)
@@ -287,6 +338,9 @@ def main() -> int:
                     "line (for benchmarks/gpu_check.py)")
     ap.add_argument("--read-threads", type=int, default=16, help="the PE path's parallel "
                     "store reads (KVWorker read_threads) (default: %(default)s)")
+    ap.add_argument("--pull-blocks", type=int, default=2048, help="DE pull: staged blocks "
+                    "whose NIXL descriptors are timed (512 B pages, 64 layers); 0: skip "
+                    "(default: %(default)s)")
     args = ap.parse_args()
     if not args.gb > 0 or args.repeats < 1:
         ap.error("--gb must be > 0 and --repeats >= 1")
@@ -307,6 +361,8 @@ def main() -> int:
             rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
                                 args.read_threads, args.device)
         router = router_cost(args.instances, args.waiting, root)
+        pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \
+            if "de" in paths and args.pull_blocks else 0.0
     print(f"70B-shaped KV (64 layers, {KV_HEADS // args.tp} KV heads per rank, head 128, "
           f"bf16) on {args.device}, {args.gb:g} GB per row, median of {args.repeats}, "
           f"torch threads {torch.get_num_threads()}, read threads {args.read_threads}\n")
@@ -321,7 +377,11 @@ def main() -> int:
         print(f"| {r['block_tokens']} | {r['path']} | {rate:.2f} | {rate / read:.0%} | "
               f"{rate / copy:.0%} |")
     if args.json:
-        print(json.dumps({"device": args.device, "rows": rows, "router": router}))
+        print(json.dumps({"device": args.device, "rows": rows, "router": router,
+                          "pull_post_ms": pull_s * 1e3}))
+    if pull_s:
+        print(f"\nDE pull of {args.pull_blocks} staged blocks x {LAYERS} layers of 512 B pages"
+              f" (NIXL descriptors and posts, after the stage): {pull_s * 1e3:.1f} ms")
     print(f"\nrouter, {router['instances']:.0f} instances, {router['waiting']:.0f} waiting "
           f"32K-token requests: first schedule() {router['first_schedule_ms']:.1f} ms "
           f"({router['placed']:.0f} placed), then {router['event_schedule_ms']:.1f} ms per "

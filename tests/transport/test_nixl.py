@@ -79,6 +79,37 @@ def test_failures_are_transfer_errors_not_crashes(two: Two) -> None:
         t.initiator.register([(addr(t.here), 8)], "HBM")
 
 
+def test_prepared_lists_move_the_entries_named_by_index(two: Two) -> None:
+    t = two
+    page = 256
+    here = t.initiator.prep(np.arange(16, dtype=np.uint64) * page + addr(t.here), page)
+    there = t.initiator.prep(np.arange(16, dtype=np.uint64) * page + addr(t.there), page,
+                             peer=t.peer)
+    t.here[:16 * page] = np.arange(16 * page) % 253
+    t.there[:16 * page] = 0
+    # Local entries 3, 4, 9 into remote entries 7, 0, 15: each page where its index says.
+    pending = t.initiator.post_prepped("WRITE", here, np.array([3, 4, 9]), there,
+                                       np.array([7, 0, 15]))
+    assert pending is not None and pending.wait() == 3 * page
+    for lo, ro in ((3, 7), (4, 0), (9, 15)):
+        assert (t.there[ro * page:(ro + 1) * page] == t.here[lo * page:(lo + 1) * page]).all()
+    assert not t.there[page:7 * page].any()
+    t.here[:16 * page] = 0
+    pending = t.initiator.post_prepped("READ", here, np.array([1]), there, np.array([7]))
+    assert pending is not None and pending.wait() == page
+    assert (t.here[page:2 * page] == t.there[7 * page:8 * page]).all()
+    assert t.initiator.post_prepped("READ", here, np.array([], int), there,
+                                    np.array([], int)) is None
+    with pytest.raises(TransferError, match="outside a list of 16"):
+        t.initiator.post_prepped("READ", here, np.array([16]), there, np.array([0]))
+    with pytest.raises(TransferError, match="1 local and 2 remote"):
+        t.initiator.post_prepped("READ", here, np.array([1]), there, np.array([0, 1]))
+    with pytest.raises(TransferError, match="outside registered memory"):
+        t.initiator.prep(np.array([addr(t.here, t.here.size - 8)], np.uint64), 16)
+    with pytest.raises(TransferError, match="not connected"):
+        t.initiator.prep(np.array([addr(t.there)], np.uint64), 16, peer="nobody")
+
+
 def test_tensors_register_once_each_as_their_memory_type(two: Two) -> None:
     kv = torch.zeros(4, 1024, dtype=torch.uint8)
     t = two

@@ -3,7 +3,10 @@ one-sided READs and WRITEs that are posted now and waited for later.
 
 A batch is a list of `(local_address, remote_address, num_bytes)` inside memory the two agents
 registered. `post` starts it and returns a `Pending`; `Pending.wait` polls it to the end, hard
-for a moment and then gently, and gives up after a timeout. The runtime's nodes (`runtime/
+for a moment and then gently, and gives up after a timeout. A caller that moves the same pages
+again and again (the vLLM connector's per-layer pulls and pushes) prepares its descriptor
+lists once (`prep`, NIXL's prepared lists) and names entries of them by index per batch
+(`post_prepped`): no descriptor is built or checked per batch. The runtime's nodes (`runtime/
 transfer.py`, one shared-memory segment each) and the vLLM connector's workers (paged KV
 tensors, the decode node's staging buffer) use the same agent.
 
@@ -23,6 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from dualpath.transport.transfer_error import TransferError
 
 Desc = tuple[int, int, int]
@@ -38,6 +44,9 @@ Python wrapper sets 0, which makes that thread spin on a core of its own (86% of
 on the UCX workers' event fds and wakes as soon as a transfer needs it."""
 
 MEM_TYPES = ("DRAM", "VRAM")
+
+Indices = npt.NDArray[np.integer[Any]]
+"""Entries of a prepared list (`Prepped`)."""
 
 
 def is_nixl_available() -> bool:
@@ -118,6 +127,18 @@ class Pending:
         return self.num_bytes
 
 
+@dataclass
+class Prepped:
+    """A descriptor list NIXL prepared once (`NixlAgent.prep`), every entry `entry_bytes`
+    long: batches name its entries by index. `peer` is "" for this agent's own memory."""
+
+    handle: Any
+    peer: str
+    num_entries: int
+    entry_bytes: int
+    mem_type: str
+
+
 _config_lock = threading.Lock()
 
 
@@ -174,6 +195,7 @@ class NixlAgent:
         self.lock = threading.Lock()
         self._regions: list[Region] = []
         self._peers: set[str] = set()
+        self._prepped: list[Prepped] = []
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str = "DRAM",
                  device: int = 0) -> None:
@@ -250,17 +272,96 @@ class NixlAgent:
             except Exception as e:
                 raise TransferError(f"NIXL {op} with {peer} could not start "
                                     f"({type(e).__name__}: {e})") from None
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as e:
-                state = f"{type(e).__name__}: {e}"
-            pending = Pending(self, handle, sum(n for _, _, n in descs), peer, op)
-            if state not in ("PROC", "DONE"):
-                pending.done = True
-                with contextlib.suppress(Exception):
-                    self.agent.release_xfer_handle(handle)
-                raise TransferError(f"NIXL {op} with {peer} could not start ({state})")
+            return self._start(op, peer, handle, sum(n for _, _, n in descs))
+
+    def _start(self, op: str, peer: str, handle: Any, num_bytes: int) -> Pending:
+        """Post a created transfer (under `lock`); its handle is released if it fails."""
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as e:
+            state = f"{type(e).__name__}: {e}"
+        pending = Pending(self, handle, num_bytes, peer, op)
+        if state not in ("PROC", "DONE"):
+            pending.done = True
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+            raise TransferError(f"NIXL {op} with {peer} could not start ({state})")
         return pending
+
+    def prep(self, addresses: npt.NDArray[np.uint64], entry_bytes: int, peer: str = "",
+             mem_type: str = "DRAM", device: int = 0) -> Prepped:
+        """Prepare the descriptor list of `entry_bytes` at each of `addresses`: in this
+        agent's registered memory (`peer` ""; memory type and devices from its regions), or
+        in `peer`'s, of `mem_type` on `device`. Kept until `close`."""
+        addresses = np.ascontiguousarray(addresses, dtype=np.uint64)
+        devices = np.full(len(addresses), device, dtype=np.uint64)
+        if not peer:
+            mem_type = self._local_types(addresses, entry_bytes, devices)
+        elif peer not in self._peers:
+            raise TransferError(f"NIXL peer {peer} is not connected")
+        if mem_type not in MEM_TYPES:
+            raise TransferError(f"NIXL memory type {mem_type!r}; valid: {', '.join(MEM_TYPES)}")
+        table = np.stack([addresses, np.full(len(addresses), entry_bytes, dtype=np.uint64),
+                          devices], axis=1)
+        with self.lock:
+            try:
+                handle = self.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, mem_type)
+            except Exception as e:  # NIXL's own errors (bytes the peer did not register)
+                raise TransferError(f"NIXL cannot prepare {len(addresses)} descriptors "
+                                    f"{'of ' + peer if peer else 'here'} "
+                                    f"({type(e).__name__}: {e})") from None
+            prepped = Prepped(handle, peer, len(addresses), entry_bytes, mem_type)
+            self._prepped.append(prepped)
+        return prepped
+
+    def _local_types(self, addresses: npt.NDArray[np.uint64], entry_bytes: int,
+                     devices: npt.NDArray[np.uint64]) -> str:
+        """The one memory type of `entry_bytes` at each of `addresses` (each inside one
+        registered region); fills in each entry's device."""
+        types: set[str] = set()
+        inside = np.zeros(len(addresses), dtype=bool)
+        for r in self._regions:
+            here = (addresses >= r.address) & (addresses + entry_bytes <= r.address + r.num_bytes)
+            if here.any():
+                types.add(r.mem_type)
+                devices[here] = r.device
+                inside |= here
+        if not inside.all():
+            lo = int(addresses[~inside][0])
+            raise TransferError(f"local bytes [{lo:#x}, +{entry_bytes}) are outside registered "
+                                "memory")
+        if len(types) > 1:
+            raise TransferError(f"a NIXL list mixes local memory types {sorted(types)}")
+        return types.pop() if types else "DRAM"
+
+    def post_prepped(self, op: str, local: Prepped, local_indices: Indices, remote: Prepped,
+                     remote_indices: Indices) -> Pending | None:
+        """Start a READ (peer -> local) or WRITE (local -> peer) batch of the entries
+        `local_indices[i]` <-> `remote_indices[i]` of two prepared lists; None when empty."""
+        if len(local_indices) != len(remote_indices):
+            raise TransferError(f"{len(local_indices)} local and {len(remote_indices)} remote "
+                                "NIXL entries")
+        if not len(local_indices):
+            return None
+        if local.entry_bytes != remote.entry_bytes:
+            raise TransferError(f"NIXL entries of {local.entry_bytes} B here and "
+                                f"{remote.entry_bytes} B at {remote.peer}")
+        peer = remote.peer
+        if peer not in self._peers:
+            raise TransferError(f"NIXL peer {peer} is not connected")
+        for side, indices in ((local, local_indices), (remote, remote_indices)):
+            if int(indices.min()) < 0 or int(indices.max()) >= side.num_entries:
+                raise TransferError(f"NIXL entries {int(indices.min())}..{int(indices.max())}"
+                                    f" outside a list of {side.num_entries}")
+        with self.lock:
+            try:
+                handle = self.agent.make_prepped_xfer(
+                    op, local.handle, np.ascontiguousarray(local_indices, dtype=np.int32),
+                    remote.handle, np.ascontiguousarray(remote_indices, dtype=np.int32))
+            except Exception as e:
+                raise TransferError(f"NIXL {op} with {peer} could not start "
+                                    f"({type(e).__name__}: {e})") from None
+            return self._start(op, peer, handle, len(local_indices) * local.entry_bytes)
 
     def transfer(self, op: str, peer: str, descs: Sequence[Desc],
                  timeout_s: float = WAIT_TIMEOUT_S) -> int:
@@ -269,8 +370,13 @@ class NixlAgent:
         return 0 if pending is None else pending.wait(timeout_s)
 
     def close(self) -> None:
-        """Forget every peer (the registered memory goes with the agent)."""
+        """Release the prepared lists and forget every peer (the registered memory goes
+        with the agent)."""
         with self.lock:
+            for prepped in self._prepped:
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(prepped.handle)
+            self._prepped.clear()
             for name in self._peers:
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(name)

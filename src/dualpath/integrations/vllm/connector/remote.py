@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import crc32c
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from dualpath.integrations.vllm.connector.kvio import (
@@ -49,12 +51,17 @@ from dualpath.integrations.vllm.connector.side_channel.messages import (
     Staged,
 )
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
-from dualpath.transport.nixl import Desc, NixlAgent, Pending, agent_name
+from dualpath.transport.nixl import NixlAgent, Pending, Prepped, agent_name
 from dualpath.transport.transfer_error import TransferError
+
+Indices = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+"""Per layer (rows), the entries of a batch in the local and the remote prepared list."""
 
 
 class PrefillRemote:
-    """DE-side pulls and pushes of a prefill worker over NIXL."""
+    """DE-side pulls and pushes of a prefill worker over NIXL. Its descriptors are prepared
+    once: every page of the paged KV (at first use) and every page of each decode node's
+    staging slots (at first contact); a pull or push names entries of them by index."""
 
     def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.kv = kv
@@ -62,6 +69,13 @@ class PrefillRemote:
         self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
         self._layers = [kv_caches[name] for name in kv.layer_names]
         self._layer_index = {n: i for i, n in enumerate(kv.layer_names)}
+        counts = np.array([kv_caches[n].shape[0] for n in kv.layer_names], dtype=np.int64)
+        self._first_entry = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        """Layer -> the local list's entry of its block 0 (entry of block b: that + b)."""
+        self._num_blocks = counts
+        self._local: Prepped | None = None
+        self._remotes: dict[str, tuple[Prepped, int]] = {}
+        """decode side channel -> its staging slots' prepared list and the buffer's address."""
         self.link = NixlAgent(agent_name("prefill"))
         self.link.register_tensors(b.span for b in self._bases)
         self._peers: dict[tuple[str, int], SideChannelClient] = {}
@@ -74,9 +88,11 @@ class PrefillRemote:
         self._reads: dict[int, list[tuple[str, Pending]]] = defaultdict(list)
         self._writes: list[tuple[Push, Pending]] = []
         self._push_slots: dict[str, list[tuple[int, int]]] = {}
+        """req_id -> (block id, slot address) of the step's pushes."""
         self._push_indices: dict[str, list[int]] = {}
         """req_id -> the prompt's block index of each entry of `_push_slots`."""
-        """req_id -> (block id, slot address) of the step's pushes."""
+        self._push_entries: dict[str, Indices] = {}
+        """req_id -> the prepared lists' entries of `_push_slots`."""
         self._requested: set[int] = set()
         """Remote loads of this step whose `stage` was sent by `request_stages`."""
         self._fail_from: dict[str, int] = {}
@@ -100,23 +116,68 @@ class PrefillRemote:
                                    f"{info.full_block_bytes} B blocks, this prefill "
                                    f"{self.kv.full_block_bytes} B: not the same model")
         with self._lock:
-            if address not in self._agents:
-                self._agents[address] = self.link.connect(info.agent)
+            try:
+                if address not in self._agents:
+                    self._agents[address] = self.link.connect(info.agent)
+                if address not in self._remotes:
+                    self._remotes[address] = (self._prep_slots(self._agents[address], info.address,
+                                                               info.num_slots), info.address)
+            except TransferError:
+                client.close()
+                raise
             self._peers[slot] = client
             return client, self._agents[address]
+
+    def _prep_slots(self, agent: str, address: int, num_slots: int) -> Prepped:
+        """Every layer's page of every staging slot of the decode node `agent` (entry of slot
+        s, layer l: s * layers + l)."""
+        n, layers = self.page_bytes, len(self._bases)
+        slots = np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(layers * n)
+        pages = np.arange(layers, dtype=np.uint64)[None, :] * np.uint64(n)
+        return self.link.prep((np.uint64(address) + slots + pages).ravel(), n, peer=agent)
+
+    def _local_list(self) -> Prepped:
+        """Every layer's page of every block of the paged KV, prepared at first use."""
+        with self._lock:
+            if self._local is None:
+                addresses = np.concatenate([
+                    np.uint64(b.address) + np.arange(count, dtype=np.uint64)
+                    * np.uint64(b.block_stride_bytes)
+                    for b, count in zip(self._bases, self._num_blocks, strict=True)])
+                self._local = self.link.prep(addresses, self.page_bytes)
+            return self._local
+
+    def _entries(self, de: str, pairs: Sequence[tuple[int, int]]) -> Indices:
+        """Per layer, the entries of each (vLLM block id, staging slot address) pair's page
+        in the local and in `de`'s prepared list."""
+        with self._lock:
+            _, base = self._remotes[de]
+        block_ids = np.fromiter((b for b, _ in pairs), dtype=np.int64, count=len(pairs))
+        offsets = np.fromiter((a for _, a in pairs), dtype=np.int64, count=len(pairs)) - base
+        slots, misaligned = np.divmod(offsets, self.kv.full_block_bytes)
+        if misaligned.any() or (block_ids >= self._num_blocks.min()).any():
+            raise TransferError(f"slot addresses or block ids outside {de}'s staging buffer "
+                                "or this worker's paged KV")
+        layers = np.arange(len(self._bases), dtype=np.int64)[:, None]
+        return self._first_entry[:, None] + block_ids, slots * len(self._bases) + layers
+
+    def _post(self, op: str, de: str, peer: str, entries: Indices,
+              layers: slice) -> Pending | None:
+        """Start `op` of `entries`' pages of `layers` with the decode node `de` (agent
+        `peer`)."""
+        local, remote = entries
+        with self._lock:
+            slots_list, _ = self._remotes[de]
+        if slots_list.peer != peer:
+            raise TransferError(f"decode node {de}: its NIXL agent changed")
+        return self.link.post_prepped(op, self._local_list(), local[layers].ravel(),
+                                      slots_list, remote[layers].ravel())
 
     def _stage_args(self, r: RemoteLoad) -> tuple[str, int, tuple[bytes, ...]]:
         """A `stage` of `r` in this rank's names: its transfer and its shard's keys (the
         decode rank of the same index reads this rank's files)."""
         shard = self.kv.shard
         return shard.xfer(r.xfer), r.blocks.first_block, tuple(map(shard.key, r.blocks.keys))
-
-    def _page_descs(self, layer: int, pairs: Sequence[tuple[int, int]]) -> list[Desc]:
-        """Layer `layer`'s page of each (vLLM block id, staging slot address) pair."""
-        n = self.page_bytes
-        base = self._bases[layer]
-        return [(base.address + bid * base.block_stride_bytes, slot + layer * n, n)
-                for bid, slot in pairs]
 
     def _drop_peer(self, address: str) -> None:
         with self._lock:
@@ -139,8 +200,7 @@ class PrefillRemote:
             client, peer = self._peer(r.de)
             slots = client.stage(*self._stage_args(r)).slots
             pairs = list(zip(t.block_ids, slots, strict=False))
-            pending = self.link.post("READ", peer, [
-                d for i in range(len(self._bases)) for d in self._page_descs(i, pairs)])
+            pending = self._post("READ", r.de, peer, self._entries(r.de, pairs), slice(None))
             if pending is not None:
                 pending.wait()
             ok = len(slots)
@@ -158,6 +218,7 @@ class PrefillRemote:
         self._writes = []
         self._push_slots = {}
         self._push_indices = {}
+        self._push_entries = {}
 
     def request_stages(self) -> None:
         """Ask each decode node to stage the step's DE-side hits, without waiting: its
@@ -186,9 +247,9 @@ class PrefillRemote:
                     self.note_failure(t.req_id, t.first_block)
                     continue
                 slots = list(reply.slots)
-                pairs = list(zip(t.block_ids, slots, strict=False))
+                entries = self._entries(r.de, list(zip(t.block_ids, slots, strict=False)))
                 for i in range(len(self._bases)):
-                    pending = self.link.post("READ", peer, self._page_descs(i, pairs))
+                    pending = self._post("READ", r.de, peer, entries, slice(i, i + 1))
                     if pending is not None:
                         self._reads[i].append((t.req_id, pending))
             except (SideChannelError, TransferError, OSError) as e:
@@ -232,8 +293,8 @@ class PrefillRemote:
             if not slots:
                 continue
             try:
-                pending = self.link.post("WRITE", self._peer(p.de)[1],
-                                         self._page_descs(i, slots))
+                pending = self._post("WRITE", p.de, self._peer(p.de)[1],
+                                     self._push_entries[p.req_id], slice(i, i + 1))
             except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
@@ -252,11 +313,12 @@ class PrefillRemote:
             try:
                 client, _ = self._peer(p.de)
                 addresses = client.alloc(self.kv.shard.xfer(p.xfer), indices)
+                slots = [(p.block_ids[b], a) for b, a in zip(indices, addresses, strict=True)]
+                self._push_entries[p.req_id] = self._entries(p.de, slots)
             except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
-            self._push_slots[p.req_id] = [
-                (p.block_ids[b], a) for b, a in zip(indices, addresses, strict=True)]
+            self._push_slots[p.req_id] = slots
             self._push_indices[p.req_id] = indices
 
     def _push_crcs(self, p: Push) -> dict[int, int] | None:

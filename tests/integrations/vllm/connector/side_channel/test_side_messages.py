@@ -36,7 +36,7 @@ from dualpath.transport.slots import SlotPool
 MESSAGES = [
     Hello(), Hello(b"\x00agent\xff"), Stage("x", 3, (b"\x01" * 16, b"\x02" * 16)),
     Alloc("x", (4, 5)), Commit("x"), Lookup("x", (0, 1)), Release("x"),
-    Welcome(b"meta", 4096, "ns", 8, "dualpath-staging-1"), Staged((1 << 40, 7), 0.25),
+    Welcome(b"meta", 4096, "ns", 8, "dualpath-staging-1", 1 << 40), Staged((1 << 40, 7), 0.25),
     Slots((1 << 40,)), Found((3, None, 0)), Done(), Failed("why"),
 ]
 
@@ -86,7 +86,7 @@ def test_requests_over_tcp(tmp_path: Path) -> None:
     client = SideChannelClient(channel.address)
     try:
         welcome = client.hello()
-        assert welcome == Welcome(b"meta", 64, "ns", 2, pool.slots.name)
+        assert welcome == Welcome(b"meta", 64, "ns", 2, pool.slots.name, pool.base)
         addresses = client.alloc("x", [0, 1])
         assert sorted(addresses) == [pool.address(0), pool.address(1)]
         with pytest.raises(SideChannelError, match="BufferFullError: .*full"):

@@ -98,6 +98,10 @@ class Welcome(Reply):
     num_slots: int
     shm: str
     """The staging buffer's shared-memory name (the decode worker maps it)."""
+    address: int
+    """The staging buffer's first byte in the staging service (slot `i` at `address + i *
+    full_block_bytes`, registered with its NIXL agent): a prefill prepares its descriptors of
+    every slot once."""
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class DecodeSideChannel:
         """This decode node's emulated storage NIC (None: unpaced)."""
         self._welcome = Welcome(agent=agent_metadata, full_block_bytes=pool.full_block_bytes,
                                 namespace=namespace, num_slots=pool.num_slots,
-                                shm=pool.slots.name)
+                                shm=pool.slots.name, address=pool.base)
         self._connect_peer = connect_peer
         self.num_staged_blocks = 0
         self.num_stage_errors = 0
