@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dualpath.core.errors import SpecError
@@ -265,3 +267,75 @@ def test_a_requeued_request_gets_a_new_route_and_its_seats_back() -> None:
     assert p.counters.num_requeued == 1
     with pytest.raises(SpecError, match="unknown"):
         p.requeue(1)
+
+
+def recounted(p: RoutePolicy) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]],
+                                       dict[int, int]]:
+    """Every report's loads counted from the requests one by one (the pre-incremental rule)."""
+    reqs = list(p._requests.values())
+    prefill = [(len(mine), sum(p.sched.pe_charge(q.request) for q in mine)) for i in
+               range(p.num_prefill) for mine in [[q for q in reqs if q.route is not None and
+                                                  not q.is_prefilled and q.route.prefill == i]]]
+    decode = []
+    for j in range(p.num_decode):
+        bound = [q for q in reqs if q.de is not None and q.de[0] == j]
+        sample = p.metrics.get(("decode", j), InstanceMetrics())
+        assert sample.kv_usage is not None and sample.kv_capacity_bytes is not None
+        unsent = sum(q.de[1] for q in bound if q.de is not None and not q.is_prefilled)
+        decode.append((len(bound), sum(p.sched.de_charge(q.request) for q in bound),
+                       max(0, int(sample.kv_capacity_bytes * (1 - sample.kv_usage)) - unsent)))
+    read_q = dict.fromkeys(range(p.num_prefill + p.num_decode), 0)
+    for q in reqs:
+        if q.route is not None and not q.is_prefilled:
+            read_q[q.route.prefill] += q.route.plan.pe_read_tokens
+            read_q[p.num_prefill + q.route.decode] += q.route.plan.de_read_tokens
+    return prefill, decode, read_q
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "split"])
+def test_loads_kept_as_requests_change_equal_a_recount(mode: str) -> None:
+    # Loads are sums updated on every change of a request; a random run of every change
+    # (placements, replies, ends, aborts, requeues, instances down and up) must leave them
+    # equal to counting the requests one by one, at every step.
+    rng = random.Random(7)
+    p = policy(mode, num_prefill=3, num_decode=3, beta=400)
+    for j in range(3):
+        p.update_metrics(Role.DECODE, j, InstanceMetrics(kv_usage=0.1,
+                                                         kv_capacity_bytes=20_000))
+    live: list[int] = []
+    for rid in range(400):
+        op = rng.random()
+        if op < 0.4:
+            p.submit(rid, rng.randrange(8, 80), rng.randrange(0, 3), 4)
+            live.append(rid)
+        elif live and op < 0.6:
+            p.prefill_done(rng.choice(live))
+        elif op < 0.7:
+            placed = [rid for rid in live if p._requests[rid].route is not None]
+            if placed:  # only a placed request's decode reply ends
+                done = rng.choice(placed)
+                live.remove(done)
+                p.prefill_done(done)
+                p.finished(done)
+        elif live and op < 0.8:
+            p.abort(live.pop(rng.randrange(len(live))))
+        elif live and op < 0.85:
+            p.requeue(rng.choice(live))
+        elif op < 0.9:
+            p.mark_down(rng.choice(list(Role)), rng.randrange(3))
+        else:
+            p.mark_up(rng.choice(list(Role)), rng.randrange(3))
+        p.schedule()
+        prefill, decode, read_q = recounted(p)
+        assert [(r.num_seqs, r.num_tokens) for r in map(p.prefill_report, range(3))
+                if p.is_up(Role.PREFILL, r.engine_id)] == \
+            [c for i, c in enumerate(prefill) if p.is_up(Role.PREFILL, i)]
+        assert [(r.num_seqs, r.num_tokens, r.free_hbm_bytes)
+                for r in map(p.decode_report, range(3))] == decode
+        assert p.read_q_by_node() == read_q
+    for rid in live:
+        p.abort(rid)
+    for role in Role:
+        for i in range(3):
+            p.mark_up(role, i)
+    assert_idle(p)

@@ -22,6 +22,8 @@ Loads (`EngineReport` fields), all from the router's own accounting except free 
 
 A request the scheduler cannot place waits in its queues; `schedule()` is called again when
 anything changes (a reply, a failure, a metrics poll) and returns the requests it placed.
+These loads are sums kept as requests change state (`_Loads`), not recounted per report: a
+decision over thousands of waiting requests reads them in O(instances).
 
 Instances marked down (`mark_down`: a failed health check, a refused connection) are no
 candidates: a down prefill instance reports itself overloaded (`tok > beta`, which Algorithm 1
@@ -34,6 +36,8 @@ now). `mark_up` makes it a candidate again.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +123,29 @@ class _Request:
 
 
 @dataclass
+class _Loads:
+    """What the requests add to each instance's report, kept as they change state: every
+    change of a `_Request`'s `de`, `route` or `is_prefilled` (or its end) goes through
+    `RoutePolicy._changing`, which takes its old share out and puts its new one in."""
+
+    prefill_seqs: list[int]
+    prefill_tokens: list[int]
+    decode_seqs: list[int]
+    decode_tokens: list[int]
+    decode_need_bytes: list[int]
+    """HBM bytes of the requests bound to each decode instance."""
+    decode_unsent_bytes: list[int]
+    """... of those of them whose prefill has not replied."""
+    read_q_tokens: list[int]
+    """Per node (prefill `0..P-1`, decode `P..P+D-1`)."""
+
+    @classmethod
+    def empty(cls, num_prefill: int, num_decode: int) -> _Loads:
+        return cls([0] * num_prefill, [0] * num_prefill, [0] * num_decode, [0] * num_decode,
+                   [0] * num_decode, [0] * num_decode, [0] * (num_prefill + num_decode))
+
+
+@dataclass
 class RouteCounters:
     """Requests per read path and hit blocks per read side since the router started."""
 
@@ -155,10 +182,37 @@ class RoutePolicy:
         """Latest poll per (role, instance index)."""
         self.counters = RouteCounters()
         self._requests: dict[int, _Request] = {}
+        self._loads = _Loads.empty(num_prefill, num_decode)
         self.down: set[tuple[str, int]] = set()
         """(role, instance index) of the instances that take no new requests."""
 
     # -- requests --------------------------------------------------------------------------
+    def _share(self, req: _Request, sign: int) -> None:
+        """Add (`sign` 1) or take out (-1) what `req` in its present state adds to loads."""
+        loads, route = self._loads, req.route
+        if route is not None and not req.is_prefilled:
+            loads.prefill_seqs[route.prefill] += sign
+            loads.prefill_tokens[route.prefill] += sign * self.sched.pe_charge(req.request)
+            loads.read_q_tokens[route.prefill] += sign * route.plan.pe_read_tokens
+            loads.read_q_tokens[self.num_prefill + route.decode] += \
+                sign * route.plan.de_read_tokens
+        if req.de is not None:
+            j, need = req.de
+            loads.decode_seqs[j] += sign
+            loads.decode_tokens[j] += sign * self.sched.de_charge(req.request)
+            loads.decode_need_bytes[j] += sign * need
+            if not req.is_prefilled:
+                loads.decode_unsent_bytes[j] += sign * need
+
+    @contextmanager
+    def _changing(self, req: _Request) -> Iterator[None]:
+        """`req`'s state changes inside: its share of the loads moves with it."""
+        self._share(req, -1)
+        try:
+            yield
+        finally:
+            self._share(req, 1)
+
     def submit(self, request_id: int, prompt_tokens: int, hit_blocks: int,
                gen_tokens: int = 0) -> None:
         """Queue a request (its stored prefix: `hit_blocks` whole blocks); call `schedule`."""
@@ -173,11 +227,14 @@ class RoutePolicy:
         """The prefill instance replied: its seat, and both read queues' share, are free."""
         req = self._requests.get(request_id)
         if req is not None and req.route is not None:
-            req.is_prefilled = True
+            with self._changing(req):
+                req.is_prefilled = True
 
     def finished(self, request_id: int) -> None:
         """The decode reply ended: forget the request."""
-        if self._requests.pop(request_id, None) is not None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._share(req, -1)
             self.counters.num_finished += 1
 
     def abort(self, request_id: int) -> bool:
@@ -186,6 +243,7 @@ class RoutePolicy:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._share(req, -1)
         self.counters.num_aborted += 1
         return self.sched.cancel(request_id).was_waiting
 
@@ -200,7 +258,8 @@ class RoutePolicy:
         if req is None:
             raise SpecError("route", "request_id", request_id, "unknown (finished or aborted)")
         self.sched.cancel(request_id)
-        req.de, req.route, req.is_prefilled = None, None, False
+        with self._changing(req):
+            req.de, req.route, req.is_prefilled = None, None, False
         self.sched.submit(req.request)
         self.counters.num_requeued += 1
 
@@ -232,7 +291,8 @@ class RoutePolicy:
             if req.route is None and req.de is not None and not self.is_up(Role.DECODE,
                                                                             req.de[0]):
                 sched.cancel(rid)
-                req.de = None
+                with self._changing(req):
+                    req.de = None
                 sched.submit(req.request)
 
     def update_metrics(self, role: Role, index: int, sample: InstanceMetrics) -> None:
@@ -253,7 +313,7 @@ class RoutePolicy:
         for _ in range(self.num_decode * max(1, sched.num_global)):
             if not sched.num_global or not up:
                 break
-            sched.drain([self.decode_report(j).num_tokens if j in up else UNLIMITED_HBM_BYTES
+            sched.drain([self._loads.decode_tokens[j] if j in up else UNLIMITED_HBM_BYTES
                          for j in range(self.num_decode)])
             if len(up) == self.num_decode:
                 break
@@ -263,7 +323,9 @@ class RoutePolicy:
                 continue
             de_fetch = sched.de_fetch(j, [self.decode_report(j)], self.read_q_by_node())
             for d in de_fetch.assignments:
-                self._requests[d.request_id].de = (d.engine_id - self.num_prefill, d.hbm_bytes)
+                req = self._requests[d.request_id]
+                with self._changing(req):
+                    req.de = (d.engine_id - self.num_prefill, d.hbm_bytes)
         if not sched.num_pe_waiting:
             return []
         reports = [self.prefill_report(i) for i in range(self.num_prefill)]
@@ -279,7 +341,8 @@ class RoutePolicy:
                                 plan.num_hit_blocks if self.forced_read_side == "pe" else 0,
                                 plan.block_size_tokens)
             route = Route(a.request_id, a.engine_id, req.de[0], plan)
-            req.route = route
+            with self._changing(req):
+                req.route = route
             self.counters.requests_by_path[route.path] += 1
             self.counters.blocks_by_side["pe"] += route.plan.num_pe_blocks
             self.counters.blocks_by_side["de"] += route.plan.num_de_blocks
@@ -287,18 +350,10 @@ class RoutePolicy:
         return placed
 
     # -- loads -----------------------------------------------------------------------------
-    def _prefilling(self) -> list[Route]:
-        return [q.route for q in self._requests.values()
-                if q.route is not None and not q.is_prefilled]
-
     def read_q_by_node(self) -> dict[int, int]:
         """Hit tokens queued on each node's storage NIC: the reads of requests whose prefill
         has not replied (prefill nodes `0..P-1`, decode nodes `P..P+D-1`)."""
-        q = dict.fromkeys(range(self.num_prefill + self.num_decode), 0)
-        for route in self._prefilling():
-            q[route.prefill] += route.plan.pe_read_tokens
-            q[self.num_prefill + route.decode] += route.plan.de_read_tokens
-        return q
+        return dict(enumerate(self._loads.read_q_tokens))
 
     def prefill_report(self, i: int) -> EngineReport:
         """Prefill instance `i`'s loads; a down one reports more than beta tokens, so neither
@@ -306,34 +361,28 @@ class RoutePolicy:
         num, tokens = self._prefill_load(i)
         if not self.is_up(Role.PREFILL, i):
             tokens = max(tokens, int(self.params.beta_tokens) + 1)
-        return EngineReport(i, i, Role.PREFILL, num, tokens, self.read_q_by_node()[i],
+        return EngineReport(i, i, Role.PREFILL, num, tokens, self._loads.read_q_tokens[i],
                             UNLIMITED_HBM_BYTES)
 
     def _prefill_load(self, i: int) -> tuple[int, int]:
         """(requests, charged tokens) routed to prefill instance `i` and not yet replied."""
-        mine = [q.request for q in self._requests.values()
-                if q.route is not None and not q.is_prefilled and q.route.prefill == i]
-        return len(mine), sum(self.sched.pe_charge(r) for r in mine)
+        return self._loads.prefill_seqs[i], self._loads.prefill_tokens[i]
 
     def decode_report(self, j: int) -> EngineReport:
-        bound = [q for q in self._requests.values() if q.de is not None and q.de[0] == j]
         node = self.num_prefill + j
-        return EngineReport(node, node, Role.DECODE, len(bound),
-                            sum(self.sched.de_charge(q.request) for q in bound),
-                            self.read_q_by_node()[node], self.free_hbm_bytes(j, bound))
+        return EngineReport(node, node, Role.DECODE, self._loads.decode_seqs[j],
+                            self._loads.decode_tokens[j], self._loads.read_q_tokens[node],
+                            self.free_hbm_bytes(j))
 
-    def free_hbm_bytes(self, j: int, bound: list[_Request] | None = None) -> int:
+    def free_hbm_bytes(self, j: int) -> int:
         """Decode instance `j`'s KV memory for new requests (see the module docstring)."""
-        if bound is None:
-            bound = [q for q in self._requests.values() if q.de is not None and q.de[0] == j]
         sample = self.metrics.get((Role.DECODE.value, j), InstanceMetrics())
         capacity = self.decode_kv_capacity_bytes or sample.kv_capacity_bytes
         if capacity is None:
             return UNLIMITED_HBM_BYTES
-        need = [q.de[1] for q in bound if q.de is not None]
         if sample.kv_usage is None:
-            return max(0, capacity - sum(need))
-        unsent = sum(q.de[1] for q in bound if q.de is not None and not q.is_prefilled)
+            return max(0, capacity - self._loads.decode_need_bytes[j])
+        unsent = self._loads.decode_unsent_bytes[j]
         return max(0, int(capacity * (1.0 - min(1.0, max(0.0, sample.kv_usage)))) - unsent)
 
     @property
