@@ -13,6 +13,7 @@ from dualpath.core.storage import StorageReadModel
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import SchedulerParams
+from dualpath.sched.profiled import ProfiledCosts
 from dualpath.sim.workload import Workload
 
 DRIVERS = ("offline", "online", "replay")
@@ -127,6 +128,10 @@ class SimConfig:
     seed: int = 0
     cost_overrides: tuple[tuple[str, float], ...] = ()
     """Cost-model coefficient overrides by name (see `dualpath.sched.cost`)."""
+    step_costs: ProfiledCosts | None = None
+    """The engines' measured step costs (`dualpath profile`), charged in place of the roofline
+    cost model (`dualpath.sched.cost`) for prefill passes, decode steps and packing; None: the
+    roofline model with the (model, hardware) coefficients."""
 
     def __post_init__(self) -> None:
         if self.driver.kind == "replay" and self.workload.arrival_s is None:

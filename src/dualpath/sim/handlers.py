@@ -351,7 +351,8 @@ class Handlers:
                 step.append((req, n))
                 pairs.append((req.cached_tokens, n))
                 total_new += n
-            attn.append(costmod.prefill_attention_time_s(model, hw, pairs, coeffs))
+            attn.append(costmod.prefill_attention_time_s(model, hw, pairs, coeffs)
+                        if cl.step_costs is None else cl.step_costs.prefill_pass_time_s(pairs))
         if not step:
             return
         grp.is_busy = True
@@ -360,7 +361,9 @@ class Handlers:
         for req, _ in step:
             if req.prefill_started_at < 0:
                 req.prefill_started_at = now
-        if cl.is_sync:
+        if cl.step_costs is not None:  # a measured pass is the whole pass (no FFN phase)
+            compute_s = max(attn)
+        elif cl.is_sync:
             per_engine = total_new / len(grp.engines)
             compute_s = max(attn) + costmod.prefill_ffn_time_s(model, hw, per_engine, coeffs)
             mean = sum(attn) / len(attn)
@@ -370,7 +373,8 @@ class Handlers:
             self.attn_ratio_first.append(ratio)
         else:
             compute_s = attn[0] + costmod.prefill_ffn_time_s(model, hw, total_new, coeffs)
-        compute_s += coeffs.per_step_overhead_s
+        if cl.step_costs is None:
+            compute_s += coeffs.per_step_overhead_s
         self.num_prefill_steps += 1
         self._set_forward_load(grp.engines, True)
         if self.is_oracle:
@@ -571,10 +575,12 @@ class Handlers:
             cl = self.cluster
             eng = self.engines[changed]
             eng.decode_step_s = (
-                costmod.decode_step_time_s(cl.model, cl.hw, eng.num_decoding,
-                                           eng.ctx_tokens, cl.coeffs,
-                                           num_expert_parallel_engines=cl.decode_ep_engines)
-                if eng.num_decoding else 0.0
+                0.0 if not eng.num_decoding
+                else costmod.decode_step_time_s(cl.model, cl.hw, eng.num_decoding,
+                                                eng.ctx_tokens, cl.coeffs,
+                                                num_expert_parallel_engines=cl.decode_ep_engines)
+                if cl.step_costs is None
+                else cl.step_costs.decode_step_time_s(eng.num_decoding, eng.ctx_tokens)
             )
         engines = self.engines
         step = max([engines[e].decode_step_s for e in grp.engines])

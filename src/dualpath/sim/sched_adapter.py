@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from dualpath.sched import batching
-from dualpath.sched.cost import CostCoefficients, CostModelEstimator
+from dualpath.sched.cost import AttentionTimeEstimator, CostCoefficients, CostModelEstimator
 from dualpath.sched.params import PathMode, SchedulerParams, derive_scheduler_params
 from dualpath.sched.scheduler import Scheduler
 from dualpath.sched.types import WaitingRequest
@@ -41,7 +41,9 @@ class Policy:
                                is_round_robin=config.mode.is_round_robin)
         self.max_batch_tokens = config.params.max_batch_tokens
         self.kv_bpt = cl.model.kv_bytes_per_token
-        self.estimator = CostModelEstimator(cl.model, cl.hardware, coeffs)
+        self.estimator: AttentionTimeEstimator = (
+            CostModelEstimator(cl.model, cl.hardware, coeffs) if config.step_costs is None
+            else config.step_costs)
 
     def pe_charge(self, r: WaitingRequest) -> int:
         return self.sched.pe_charge(r)

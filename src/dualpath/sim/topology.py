@@ -39,7 +39,10 @@ class Cluster:
         self.coeffs = coeffs
         self.hbm_reserve = (coeffs.hbm_reserve_fraction if sp.hbm_reserve_fraction is None
                             else sp.hbm_reserve_fraction)
-        self.attn_fixed_s = costmod.attention_fixed_time_s(self.model, coeffs)
+        self.step_costs = config.step_costs
+        """Measured step costs charged instead of the roofline model (None: the roofline)."""
+        self.attn_fixed_s = (costmod.attention_fixed_time_s(self.model, coeffs)
+                             if self.step_costs is None else self.step_costs.prefill_fixed_s)
         """Attention time of an engine with nothing to prefill (it still joins a step)."""
         self.kv_bpt = self.model.kv_bytes_per_token
         self.block = sp.block_size_tokens

@@ -51,6 +51,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--mal", type=int, metavar="TOKENS", help="truncate trajectories at this MAL")
     w.add_argument("--append-scale", type=float, default=1.0, help="scale every append length")
     w.add_argument("--gen-scale", type=float, default=1.0, help="scale every generation length")
+    w.add_argument("--trajectories", metavar="FILE",
+                   help="replay the first --agents trajectories of this trajectory JSONL file "
+                   "(scaled and truncated by --append-scale, --gen-scale, --mal) instead of "
+                   "Table-2 agents")
     w.add_argument("--mooncake", metavar="PATH",
                    help="replay a Mooncake-format trace by its timestamps instead of agents")
     w.add_argument("--online-aps", type=float, metavar="APS",
@@ -64,6 +68,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default: basic,dualpath,oracle)",
     )
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--profile", metavar="FILE",
+                   help="charge the engine costs measured by `dualpath profile` (this file) "
+                   "instead of the roofline cost model; the cluster is the profiled engine's "
+                   "(its model, NIC rates, engines per node, engine memory, block size, "
+                   "scheduler quota and beta), with --prefill-nodes/--decode-nodes nodes "
+                   "(--model and --hardware are not used)")
     s.add_argument("--storage-cluster-gbps", type=float, default=0.0, metavar="GB/S",
                    help="aggregate read cap of the storage cluster (default: none)")
     s.add_argument("--inference-load", type=float, default=0.0, metavar="FRACTION",
@@ -172,17 +182,41 @@ def _on_ray(address: str, configs: dict[str, SimConfig],
     return out
 
 
+def _trajectory_workload(args: argparse.Namespace, block_size: int) -> Workload:
+    """The first --agents trajectories of --trajectories, scaled and truncated as `dualpath
+    run` does, one agent each."""
+    from dualpath.workload.jsonl import load_trajectories
+    from dualpath.workload.replay import scale_lengths
+    from dualpath.workload.trajectory import TurnTable
+
+    trajs = list(load_trajectories(args.trajectories).trajectories[: args.agents])
+    trajs = [scale_lengths(t, args.append_scale, args.gen_scale, args.mal) for t in trajs]
+    return Workload.from_turn_table(TurnTable.from_trajectories(trajs, block_size))
+
+
 def run(args: argparse.Namespace) -> int:
-    cluster = cluster_from_args(args)
+    profile = None
+    if args.profile:
+        from dualpath.experiments.profile import load_profile
+
+        profile = load_profile(args.profile)
+        cluster = profile.cluster(args.prefill_nodes, args.decode_nodes)
+    else:
+        cluster = cluster_from_args(args)
     modes = _modes(args)
     if args.agents < 1:
         raise SimulateArgsError(f"--agents={args.agents}: must be >= 1")
+    if args.mooncake and args.trajectories:
+        raise SimulateArgsError("--mooncake and --trajectories are exclusive")
     if args.mooncake:
         if args.online_aps is not None:
             raise SimulateArgsError("--mooncake and --online-aps are exclusive")
         from dualpath.workload.mooncake import load_mooncake
 
         workload = Workload.from_mooncake(load_mooncake(args.mooncake))
+    elif args.trajectories:
+        workload = _trajectory_workload(
+            args, profile.sim_kwargs()["params"].block_size_tokens if profile else 64)
     else:
         workload = agent_workload(
             args.trace, args.agents, seed=args.seed, max_len_tokens=args.mal,
@@ -194,12 +228,22 @@ def run(args: argparse.Namespace) -> int:
         driver = Driver(kind="online", num_agents=args.agents, agents_per_s=args.online_aps,
                         max_duration_s=args.max_duration)
     else:
-        driver = Driver(kind="offline", num_agents=args.agents)
+        driver = Driver(kind="offline", num_agents=(workload.num_agents if args.trajectories
+                                                    else args.agents))
     params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gbps * GB,
                        inference_load_fraction=args.inference_load,
                        prefill_ep_engines=args.prefill_ep_engines,
                        decode_ep_engines=args.decode_ep_engines)
-    base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
+    if profile is None:
+        base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
+    else:
+        kw = profile.sim_kwargs()
+        params = replace(kw.pop("params"),
+                         storage_cluster_bytes_per_s=params.storage_cluster_bytes_per_s,
+                         inference_load_fraction=params.inference_load_fraction)
+        base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed, **kw)
+        if not args.json:
+            print(f"profile: {profile.describe()}", file=sys.stderr)
     configs = {name: replace(base, mode=mode_preset(name)) for name in modes}
     remote = (_on_ray(args.ray, configs, not args.no_progress and not args.json)
               if args.ray else {})

@@ -1,0 +1,125 @@
+"""Profile files: fitting, the versioned format and its errors, and a simulation charging them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dualpath.experiments.profile import (
+    ProfileFileError,
+    build_profile,
+    fit_costs,
+    load_profile,
+    parse_profile,
+    write_profile,
+)
+from dualpath.sched.profiled import ProfiledCosts
+from dualpath.sim import Driver, SimConfig, simulate
+from dualpath.sim.workload import Workload
+
+TRUE = ProfiledCosts(4e-4, 1e-3, 2e-5, 8e-8, 2e-6, 3e-4, 9e-4, 2e-6)
+
+
+def _samples(costs: ProfiledCosts) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    prefill = [{"cached": c, "new": n, "batch": b,
+                "seconds": costs.prefill_pass_time_s([(c, n)] * b)}
+               for c in (0, 256, 1024) for n in (16, 64, 256) for b in (1, 4)]
+    decode = [{"batch": b, "context": x, "seconds": costs.decode_step_time_s(b, b * x)}
+              for b in (1, 4, 16) for x in (64, 512, 1536)]
+    return prefill, decode
+
+
+def _profile(costs: ProfiledCosts = TRUE) -> dict[str, Any]:
+    prefill, decode = _samples(costs)
+    return build_profile(
+        created="2026-01-01T00:00:00Z", machine={"hostname": "test"},
+        engine={"kind": "dualpath-runtime"},
+        model={"name": "tiny-4l-64h", "num_layers": 4, "hidden_size": 64,
+               "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+               "intermediate_size": 128, "vocab_size": 512, "kv_dtype_bytes": 4,
+               "weight_dtype_bytes": 4, "is_tied_embeddings": True, "kv_bytes_per_token": 1024},
+        run={"storage_nic_bytes_per_s": 3276800.0, "compute_nic_bytes_per_s": 13107200.0,
+             "engines_per_node": 2, "hbm_bytes": 1 << 30, "dram_buffer_bytes": 256 << 20,
+             "block_size": 64, "compute_quota_s": 0.3, "beta_tokens": 1e9},
+        prefill=prefill, decode=decode, rates={"memory_copy": 1e10},
+    )
+
+
+def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
+    prefill, decode = _samples(TRUE)
+    got, p_err, d_err = fit_costs(prefill, decode)
+    for name in ("per_prefill_seq_s", "per_new_token_s", "per_query_key_s",
+                 "per_cached_token_s", "per_seq_s", "per_context_token_s"):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert p_err < 1e-6 and d_err < 1e-6
+
+
+def test_fit_keeps_every_coefficient_non_negative() -> None:
+    prefill, decode = _samples(TRUE)
+    for s in decode:  # time falling with context: its coefficient would be negative
+        s["seconds"] = 1e-3 * s["batch"] - 1e-9 * s["context"]
+    got, _, _ = fit_costs(prefill, decode)
+    assert got.per_context_token_s == 0.0 and got.per_seq_s > 0
+
+
+def test_written_file_reads_back(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    write_profile(path, _profile())
+    prof = load_profile(path)
+    assert prof.costs.per_query_key_s == pytest.approx(TRUE.per_query_key_s)
+    assert prof.model_spec().kv_bytes_per_token == 1024
+    hw = prof.hardware()
+    assert hw.gpus_per_node == 2 and hw.storage_nic_bytes_per_s == 3276800.0
+    # The engine memory left for KV is exactly the run's.
+    assert hw.hbm_bytes - prof.model_spec().weight_bytes == pytest.approx(1 << 30)
+    assert prof.scheduler_params().alpha_tokens == pytest.approx(3 * 3276800.0 / 1024)
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda d: d.update(version=2), "'version'"),
+    (lambda d: d.update(format="x"), "'format'"),
+    (lambda d: d["fit"].pop("per_seq_s"), "'fit.per_seq_s': missing"),
+    (lambda d: d["fit"].update(per_query_key_s=-1.0), "'fit.per_query_key_s'"),
+    (lambda d: d["run"].update(block_size=64.5), "'run.block_size'"),
+    (lambda d: d["model"].update(num_layers="4"), "'model.num_layers'"),
+    (lambda d: d["measured"]["decode"][2].update(seconds=0), "'measured.decode[2].seconds'"),
+    (lambda d: d["engine"].update(kind="sglang"), "'engine.kind'"),
+    (lambda d: d.pop("run"), "'run'"),
+])
+def test_bad_field_is_named(edit: Any, field: str) -> None:
+    data = copy.deepcopy(_profile())
+    edit(data)
+    with pytest.raises(ProfileFileError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_profile(data, "p.json")
+
+
+def test_unreadable_and_non_json_files(tmp_path: Path) -> None:
+    with pytest.raises(ProfileFileError, match="cannot read"):
+        load_profile(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format":\n', encoding="utf-8")
+    with pytest.raises(ProfileFileError, match=r"bad.json:2: not JSON"):
+        load_profile(bad)
+
+
+def _run(prof_data: dict[str, Any], tmp_path: Path, name: str) -> float:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(prof_data), encoding="utf-8")
+    prof = load_profile(path)
+    wl = Workload.from_lists([[(512, 0, 8), (640, 512, 8)], [(384, 0, 8), (448, 384, 8)]])
+    cfg = SimConfig(prof.cluster(1, 1), wl, driver=Driver(num_agents=2),
+                    **prof.sim_kwargs()).with_mode("oracle")
+    res = simulate(cfg)
+    assert res.num_completed == res.num_requests == 4
+    return res.jct_s
+
+
+def test_simulation_charges_the_profiled_costs(tmp_path: Path) -> None:
+    slow = _profile(ProfiledCosts(4e-3, 1e-2, 2e-4, 8e-7, 2e-5, 3e-3, 9e-3, 2e-5))
+    # Oracle: no I/O time, so JCT is the charged compute alone and scales with it.
+    fast_jct, slow_jct = _run(_profile(), tmp_path, "fast"), _run(slow, tmp_path, "slow")
+    assert slow_jct == pytest.approx(10 * fast_jct, rel=0.05)
