@@ -45,6 +45,7 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.manifest import StoreManifest
+from dualpath.integrations.vllm.router.app import parse_vllm_metrics
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
 
 GB = 10**9
@@ -280,6 +281,31 @@ def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
     return rows
 
 
+def vllm_metrics_page(num_engines: int = 2, num_histograms: int = 25,
+                      num_buckets: int = 30) -> str:
+    """A `/metrics` page shaped like a vLLM instance's: per engine, the gauges the router
+    reads and `num_histograms` histograms of `num_buckets` buckets it does not."""
+    lines = []
+    for h in range(num_histograms):
+        name = f"vllm:histogram_{h}_seconds"
+        lines += [f"# HELP {name} A latency.", f"# TYPE {name} histogram"]
+        for e in range(num_engines):
+            labels = f'engine="{e}",model_name="m"'
+            lines += [f'{name}_bucket{{{labels},le="{b * 0.01:g}"}} {b * 7}.0'
+                      for b in range(num_buckets)]
+            lines += [f'{name}_bucket{{{labels},le="+Inf"}} 999.0',
+                      f"{name}_count{{{labels}}} 999.0", f"{name}_sum{{{labels}}} 12.5"]
+    for name, value in (("vllm:num_requests_running", "3.0"),
+                        ("vllm:num_requests_waiting", "1.0"),
+                        ("vllm:kv_cache_usage_perc", "0.25")):
+        lines += [f"# TYPE {name} gauge"]
+        lines += [f'{name}{{engine="{e}",model_name="m"}} {value}' for e in range(num_engines)]
+    lines += ["# TYPE vllm:cache_config_info gauge"]
+    lines += [f'vllm:cache_config_info{{block_size="16",engine="{e}",num_gpu_blocks="1000"}} 1.0'
+              for e in range(num_engines)]
+    return "\n".join(lines) + "\n"
+
+
 def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, float]:
     """`RoutePolicy.schedule` with `num_waiting` queued 32K-token requests (2,000-block hits
     of 16 tokens) over `num_instances`, and a 32K prompt's stored-prefix count."""
@@ -305,7 +331,11 @@ def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, f
         store.put(key, bytes(16), overwrite=False)
     hit_s = median_s(lambda: None if manifest.hit_blocks(tokens, store.contains) == 2047
                      else sys.exit("connector_bench: wrong hit"), 5)
+    page = vllm_metrics_page()
+    parse_s = median_s(lambda: None if parse_vllm_metrics(page, 16.0).running == 6
+                       else sys.exit("connector_bench: wrong metrics"), 20)
     return {"instances": num_instances, "waiting": num_waiting, "placed": len(placed),
+            "metrics_page_kib": len(page) / 1024, "metrics_parse_ms": parse_s * 1e3,
             "first_schedule_ms": first_s * 1e3,
             "event_schedule_ms": statistics.median(events) * 1e3 if events else 0.0,
             "hit_blocks_32k_ms": hit_s * 1e3}
@@ -386,7 +416,8 @@ def main() -> int:
           f"32K-token requests: first schedule() {router['first_schedule_ms']:.1f} ms "
           f"({router['placed']:.0f} placed), then {router['event_schedule_ms']:.1f} ms per "
           f"event (median); a 32K prompt's stored prefix (2,047 blocks of 16): "
-          f"{router['hit_blocks_32k_ms']:.1f} ms")
+          f"{router['hit_blocks_32k_ms']:.1f} ms; one instance's /metrics page "
+          f"({router['metrics_page_kib']:.0f} KiB) parsed in {router['metrics_parse_ms']:.2f} ms")
     return 0
 
 

@@ -32,7 +32,7 @@ from dualpath.integrations.vllm.router.app import (
     make_app,
     parse_vllm_metrics,
 )
-from dualpath.integrations.vllm.router.policy import route_params
+from dualpath.integrations.vllm.router.policy import InstanceMetrics, route_params
 
 BS = 4
 BLOCK_BYTES = 64
@@ -359,6 +359,28 @@ def test_metrics_parser_tolerates_absence() -> None:
     assert parse_vllm_metrics("", 16.0).kv_usage is None
     m = parse_vllm_metrics('vllm:gpu_cache_usage_perc{engine="0"} 0.5\n', 16.0)
     assert m.kv_usage == 0.5 and m.running is None and m.kv_capacity_bytes is None
+
+
+def test_metrics_parser_reads_its_families_among_the_rest() -> None:
+    # Only the families it reads are parsed: lookalike names, histograms, comments and CRLF
+    # around them change nothing.
+    page = "\r\n".join([
+        "# HELP vllm:num_requests_running Requests running.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 3.0',
+        "# TYPE vllm:num_requests_running_seconds histogram",
+        'vllm:num_requests_running_seconds_bucket{engine="0",le="+Inf"} 99.0',
+        'vllm:num_requests_running_seconds_count{engine="0"} 99.0',
+        'vllm:num_requests_waiting_total{engine="0"} 50.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25',
+        'vllm:kv_cache_usage_perc{engine="1"} 0.5',
+        'vllm:cache_config_info{block_size="4",engine="0",num_gpu_blocks="10"} 1.0',
+        'vllm:cache_config_info{block_size="4",engine="1",num_gpu_blocks="5"} 1.0',
+    ]) + "\r\n"
+    assert parse_vllm_metrics(page, 2.0) == InstanceMetrics(
+        running=5, waiting=1, kv_usage=0.5, kv_capacity_bytes=(10 + 5) * 4 * 2)
 
 
 # -- the HTTP floor's protections (dualpath.http), as `dualpath serve` has them ----------------
