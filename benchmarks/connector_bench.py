@@ -16,7 +16,9 @@ of each block's file into one buffer, no checksum) and a plain `memcpy` (one cop
 number of bytes between two preallocated buffers). Each rate is the median of `--repeats`
 after a warm-up. Then the router's scheduling cost (`RoutePolicy.schedule`) with
 `--instances` (half prefill, half decode) and `--waiting` requests queued, and the cost of
-counting a 32K-token prompt's stored prefix (`StoreManifest.hit_blocks`, a `stat` per block).
+counting a 32K-token prompt's stored prefix (`StoreManifest.hit_blocks`, a `stat` per block,
+one by one and in waves on the router's threads; here and with an NFS-like round trip per
+`stat`), and the parse of one instance's `/metrics` page.
 
 Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
 `--repeats`, `--block-tokens`, `--tp`, `--paths`).
@@ -35,6 +37,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +48,12 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.manifest import StoreManifest
-from dualpath.integrations.vllm.router.app import parse_vllm_metrics
+from dualpath.integrations.vllm.router.app import STAT_THREADS, parse_vllm_metrics
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
 
 GB = 10**9
+NFS_STAT_S = 0.0002
+"""The metadata round trip the router's stored-prefix count is also timed with."""
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 64, 8, 128, 2
 
 
@@ -329,8 +334,18 @@ def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, f
     tokens = list(range(32_768))
     for key in block_keys(tokens, 16, manifest.namespace_bytes):
         store.put(key, bytes(16), overwrite=False)
-    hit_s = median_s(lambda: None if manifest.hit_blocks(tokens, store.contains) == 2047
-                     else sys.exit("connector_bench: wrong hit"), 5)
+    def hit(is_stored: Callable[[bytes], bool], threads: ThreadPoolExecutor | None) -> None:
+        if manifest.hit_blocks(tokens, is_stored, threads) != 2047:
+            sys.exit("connector_bench: wrong hit")
+
+    def remote_stat(key: bytes) -> bool:  # a metadata round trip of NFS_STAT_S first
+        time.sleep(NFS_STAT_S)
+        return store.contains(key)
+    with ThreadPoolExecutor(STAT_THREADS) as threads:
+        hit_s = median_s(lambda: hit(store.contains, None), 5)
+        hit_waves_s = median_s(lambda: hit(store.contains, threads), 5)
+        hit_nfs_s = median_s(lambda: hit(remote_stat, None), 3)
+        hit_nfs_waves_s = median_s(lambda: hit(remote_stat, threads), 3)
     page = vllm_metrics_page()
     parse_s = median_s(lambda: None if parse_vllm_metrics(page, 16.0).running == 6
                        else sys.exit("connector_bench: wrong metrics"), 20)
@@ -338,7 +353,9 @@ def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, f
             "metrics_page_kib": len(page) / 1024, "metrics_parse_ms": parse_s * 1e3,
             "first_schedule_ms": first_s * 1e3,
             "event_schedule_ms": statistics.median(events) * 1e3 if events else 0.0,
-            "hit_blocks_32k_ms": hit_s * 1e3}
+            "hit_blocks_32k_ms": hit_s * 1e3, "hit_blocks_32k_waves_ms": hit_waves_s * 1e3,
+            "hit_blocks_32k_nfs_ms": hit_nfs_s * 1e3,
+            "hit_blocks_32k_nfs_waves_ms": hit_nfs_waves_s * 1e3}
 
 
 def main() -> int:
@@ -415,8 +432,11 @@ def main() -> int:
     print(f"\nrouter, {router['instances']:.0f} instances, {router['waiting']:.0f} waiting "
           f"32K-token requests: first schedule() {router['first_schedule_ms']:.1f} ms "
           f"({router['placed']:.0f} placed), then {router['event_schedule_ms']:.1f} ms per "
-          f"event (median); a 32K prompt's stored prefix (2,047 blocks of 16): "
-          f"{router['hit_blocks_32k_ms']:.1f} ms; one instance's /metrics page "
+          f"event (median); a 32K prompt's stored prefix (2,047 blocks of 16), one by one / "
+          f"in waves on {STAT_THREADS} threads: {router['hit_blocks_32k_ms']:.1f} / "
+          f"{router['hit_blocks_32k_waves_ms']:.1f} ms here, "
+          f"{router['hit_blocks_32k_nfs_ms']:.0f} / {router['hit_blocks_32k_nfs_waves_ms']:.0f} "
+          f"ms with {NFS_STAT_S * 1e3:g} ms per stat (NFS-like); one instance's /metrics page "
           f"({router['metrics_page_kib']:.0f} KiB) parsed in {router['metrics_parse_ms']:.2f} ms")
     return 0
 

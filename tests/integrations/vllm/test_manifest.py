@@ -4,6 +4,8 @@ keys of tensor- and pipeline-parallel workers, and the stored-block rule the rou
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,12 @@ import pytest
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.manifest import Shard, StoreManifest, read_manifests
+from dualpath.integrations.vllm.manifest import (
+    MAX_WAVE,
+    Shard,
+    StoreManifest,
+    read_manifests,
+)
 
 KEY = bytes(range(16))
 
@@ -61,6 +68,31 @@ def test_the_router_counts_a_block_once_its_last_shard_is_stored(tmp_path: Path)
         store.put(Shard(1, 2).key(key), bytes(8))
     assert manifest.hit_blocks(tokens, store.contains) == 3
     assert manifest.stored_key(keys[0]) == Shard.last(2).key(keys[0])
+
+
+@pytest.mark.parametrize("stat_s", [0.0, 1e-4])
+@pytest.mark.parametrize("gap", [None, 0, 1, 15, 16, 47, 48, 300, 598])
+def test_stored_prefix_checked_in_waves_counts_as_the_walk(gap: int | None,
+                                                          stat_s: float) -> None:
+    # Blocks stored from 0 with one gap (and stored again after it): the count in waves
+    # (one by one where checks are fast, on threads where each is a 0.1 ms round trip) stops
+    # at the gap as the one-by-one walk does, and checks at most a wave past it.
+    manifest = StoreManifest(namespace=bytes(16).hex(), model="m", block_size=1,
+                             full_block_bytes=8)
+    tokens = list(range(600))
+    keys = block_keys(tokens, 1, manifest.namespace_bytes)
+    stored = {manifest.stored_key(k) for i, k in enumerate(keys) if i != gap}
+    asked: list[bytes] = []
+
+    def is_stored(key: bytes) -> bool:
+        asked.append(key)
+        time.sleep(stat_s)
+        return key in stored
+    walk = manifest.hit_blocks(tokens, lambda k: k in stored)
+    assert walk == (599 if gap is None else gap)
+    with ThreadPoolExecutor(8) as threads:
+        assert manifest.hit_blocks(tokens, is_stored, threads) == walk
+    assert len(asked) == len(set(asked)) <= walk + MAX_WAVE
 
 
 def test_the_parallelism_round_trips_and_old_manifests_read_as_one_shard(

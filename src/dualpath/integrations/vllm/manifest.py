@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -117,13 +119,18 @@ class StoreManifest:
         every shard would cost `tp_size * pp_size` metadata operations per block."""
         return Shard.last(self.tp_size, self.pp_size).key(key)
 
-    def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool]) -> int:
+    def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool],
+                   threads: Executor | None = None) -> int:
         """A prompt's stored prefix in whole blocks, as the connectors find it: the one rule,
         `core.blocks.hit_blocks`, over keys chained from this namespace (each block's
-        `stored_key`)."""
+        `stored_key`). With `threads`, `is_stored` runs on them in waves from block 0 on,
+        stopping after the first wave with a block missing (`in_waves`): the same count."""
         keys = block_keys(tokens, self.block_size, self.namespace_bytes)
-        return hit_blocks(keys, len(tokens), lambda k: is_stored(self.stored_key(k)),
-                          self.block_size)
+
+        def check(key: bytes) -> bool:
+            return is_stored(self.stored_key(key))
+        return hit_blocks(keys, len(tokens), check if threads is None else
+                          in_waves(keys, check, threads), self.block_size)
 
     def write(self, store_root: Path | str) -> Path:
         """Write (atomically) `root/vllm/<namespace>.json`; the same content twice is a no-op."""
@@ -134,6 +141,50 @@ class StoreManifest:
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             write_text_atomic(path, text)
         return path
+
+
+FIRST_WAVE = 16
+MAX_WAVE = 256
+PARALLEL_ABOVE_S = 50e-6
+"""Checks slower than this on average (a network file system's metadata round trip) run in
+parallel waves; faster ones (local, cached metadata) one by one, where a thread hand-off
+costs more than the check."""
+
+
+def in_waves(keys: Sequence[bytes], is_stored: Callable[[bytes], bool],
+             threads: Executor) -> Callable[[bytes], bool]:
+    """`is_stored` over `keys`, asked in order, answered from waves: the first ask of block
+    `i` checks blocks `i..i+w` at once (`w` from `FIRST_WAVE`, doubling to `MAX_WAVE`), on
+    `threads` once the first wave (checked one by one, timed) took over `PARALLEL_ABOVE_S`
+    per check. A stored prefix has no shortcut: blocks need not be stored contiguously (a
+    failed save, an evicted block, a missing shard), so being stored is not monotone in the
+    block index and a binary search could step over a gap; a wave costs one round of
+    metadata latency instead of `w`, and at most `w - 1` checks past the prefix's end."""
+    index = {key: i for i, key in enumerate(keys)}
+    known: dict[int, bool] = {}
+    wave = FIRST_WAVE
+    is_parallel = False
+
+    def check(key: bytes) -> bool:
+        nonlocal wave, is_parallel
+        i = index[key]
+        if i not in known:
+            batch = [keys[j] for j in range(i, min(len(keys), i + wave))]
+            if is_parallel:
+                known.update(zip(range(i, i + len(batch)), threads.map(is_stored, batch),
+                                 strict=True))
+            else:
+                t0 = time.perf_counter()
+                num_checked = 0
+                for j, k in enumerate(batch, i):
+                    known[j] = is_stored(k)
+                    num_checked += 1
+                    if not known[j]:
+                        break
+                is_parallel = time.perf_counter() - t0 > PARALLEL_ABOVE_S * num_checked
+            wave = min(2 * wave, MAX_WAVE)
+        return known[i]
+    return check
 
 
 def read_manifests(store_root: Path | str) -> list[StoreManifest]:

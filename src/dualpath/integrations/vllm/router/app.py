@@ -49,6 +49,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -79,6 +80,8 @@ CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat
 """Chat fields that change the prompt's tokens, forwarded to `/tokenize`."""
 RETRIES = 1
 """Times a request failed by an instance before its first token is placed again."""
+STAT_THREADS = 32
+"""Parallel store checks of one prompt's blocks (on NFS a `stat` is a round trip)."""
 REQUEST_ID_HEADER = "X-Request-Id"
 """The trace id header (vLLM's convention: its request ids are built from it)."""
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -257,6 +260,8 @@ class Router:
         self.down: dict[tuple[Role, int], Down] = {}
         self._client: httpx2.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._stat_threads = ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="dualpath-stat")
+        """Where a prompt's stored-prefix checks run, a wave at a time (`manifest.in_waves`)."""
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -272,6 +277,7 @@ class Router:
                 await self._poller
         if self._client is not None:
             await self._client.aclose()
+        self._stat_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def client(self) -> httpx2.AsyncClient:
@@ -505,7 +511,7 @@ class Router:
 
     def hit_blocks(self, tokens: Sequence[int]) -> int:
         """The prompt's stored prefix in whole blocks, as the connectors will find it."""
-        return self.cfg.manifest.hit_blocks(tokens, self.store.contains)
+        return self.cfg.manifest.hit_blocks(tokens, self.store.contains, self._stat_threads)
 
     async def handle(self, body: Any, is_chat: bool, trace_id: str | None = None) -> Response:
         """One completion or chat request, routed (the module docstring's steps); `trace_id`
