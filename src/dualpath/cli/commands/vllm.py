@@ -30,7 +30,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "router URL it prints; a conversation's second turn loads its stored KV through "
             "the prefill node (PE read path) or the decode node (DE read path), as the "
             "router's /stats and each server's event log show. Each server gets cores of its "
-            "own where there are enough (an explicit VLLM_CPU_OMP_THREADS_BIND is kept).",
+            "own where there are enough (an explicit VLLM_CPU_OMP_THREADS_BIND is kept). A "
+            "server that dies is reported and restarted on its ports (--no-restart: only "
+            "reported); the router sends nothing to it meanwhile. No process or /dev/shm "
+            "segment of a server outlives it or this command.",
             width=78),
         epilog="example: dualpath vllm up --decode 2 --mode dualpath --port 8000",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,11 +71,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--gpus", metavar="IDS", help="comma-separated GPU ids shared out in "
                     "order, --tensor-parallel-size per instance (CUDA_VISIBLE_DEVICES of "
                     "each); default: not set")
+    up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                    help="restart a server that dies, on the same ports (default: on)")
+    up.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
+                    help="the router answers 503 to a request no instance took within S s; "
+                    "it covers a restart (a minute or more on CPU) (default: %(default)s)")
     up.set_defaults(func=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
     from dualpath.integrations.vllm.cluster.launch import VllmCluster, VllmClusterSpec
+    from dualpath.integrations.vllm.cluster.reaper import die_with_parent
 
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).
@@ -105,12 +114,16 @@ def run_up(args: argparse.Namespace) -> int:
             for line in cluster.describe():
                 print("  " + line, file=sys.stderr)
             cmd = [sys.executable, "-m", "dualpath.cli.main", "route", "--store", str(store),
-                   "--mode", args.mode, "--port", str(args.port)]
+                   "--mode", args.mode, "--port", str(args.port),
+                   "--queue-timeout", f"{args.queue_timeout:g}"]
             for inst in cluster.prefill:
                 cmd += ["--prefill", inst.url]
             for inst in cluster.decode:
                 cmd += ["--decode", inst.url, "--side", str(inst.side_channel)]
-            router = subprocess.Popen(cmd)
+            # The router too ends with this command, even a SIGKILLed one.
+            router = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            cluster.supervise(lambda line: print(f"dualpath vllm up: {line}", file=sys.stderr,
+                                                 flush=True), restart=args.restart)
             try:
                 while router.poll() is None:
                     time.sleep(0.5)

@@ -4,19 +4,24 @@
 and `num_decode` decode instances (kv_consumer, each with a side channel for its staging
 buffer), every one a `python -m vllm.entrypoints.openai.api_server` process of the vLLM venv
 on 127.0.0.1, all on one shared store folder; it waits for each `/health` and `stop()` ends
-them (SIGTERM to each process group, then SIGKILL after a grace period). Nothing here imports
-vllm: the servers run in `spec.python`, which must have it (`make vllm-setup`).
+them. Nothing here imports vllm: the servers run in `spec.python`, which must have it (`make
+vllm-setup`).
+
+Each server runs under a `reaper` (its own session and process group, tagged): however the
+server ends, or the launcher (even SIGKILLed), no process or `/dev/shm` segment of it is
+left. `supervise()` watches the servers: a dead one is reported and restarted on the same
+ports (the router's polls bring it back into service).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -27,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.cluster import netns
+from dualpath.integrations.vllm.cluster import netns, reaper
 
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
 CHATML_TEMPLATE = (
@@ -54,10 +59,10 @@ class LaunchError(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the process that started it dies (Linux
-    prctl PR_SET_PDEATHSIG), so a killed driver never leaves servers running."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    """In the reaper before exec: SIGTERM when the process that started it dies (Linux
+    prctl PR_SET_PDEATHSIG), so a killed driver never leaves servers running (the reaper
+    takes its server's group down)."""
+    reaper.die_with_parent(signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -101,6 +106,8 @@ class VllmClusterSpec:
     durable: bool = False
     event_logs: bool = True
     startup_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    """From SIGTERM to SIGKILL when a server's process group is taken down."""
     chat_template: Path | None = None
     """A Jinja file; default: ChatML when the model folder has no template."""
     storage_read_gbps: float | None = None
@@ -215,6 +222,7 @@ class Instance:
     port: int
     side_channel: str | None
     process: subprocess.Popen[bytes]
+    """The server's reaper (`reaper`): its pid is the server's process group."""
     log_path: Path
     event_log: Path | None
     _log: IO[bytes] | None = field(default=None, repr=False)
@@ -223,6 +231,15 @@ class Instance:
     netns: str | None = None
     cpus: str = ""
     """Its `VLLM_CPU_OMP_THREADS_BIND` ("" when the environment decides)."""
+    tag: str = ""
+    """Names its shared memory (`reaper.TAG_ENV`): `dp<launcher pid>.<name>`."""
+    command: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    restarts: int = 0
+    started_at: float = 0.0
+    """`time.monotonic()` of its last (re)start."""
+    is_gone: bool = False
+    """Died and not restarted (`supervise(restart=False)`)."""
 
     @property
     def url(self) -> str:
@@ -276,6 +293,18 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def reaped_command(cmd: list[str], tag: str, grace_s: float) -> list[str]:
+    """`cmd` under a `reaper` of this interpreter (which has dualpath)."""
+    return [sys.executable, "-m", reaper.__name__, "--tag", tag, "--parent", str(os.getpid()),
+            "--grace", f"{grace_s:g}", "--", *cmd]
+
+
+RESTART_BACKOFF_S = (1.0, 5.0, 15.0, 60.0)
+"""Waits before restarting a server that died again soon after its last start (the n-th
+quick death in a row waits the n-th; a server that ran a while restarts at once)."""
+QUICK_DEATH_S = 120.0
+
+
 class VllmCluster:
     """P prefill and D decode vLLM servers on one store (a context manager)."""
 
@@ -288,6 +317,9 @@ class VllmCluster:
         self.instances: list[Instance] = []
         self.hosts: netns.Hosts | None = None
         """The emulated hosts' bridge and namespaces (`hosts="netns"`)."""
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @property
     def prefill(self) -> list[Instance]:
@@ -335,15 +367,14 @@ class VllmCluster:
                                      template, address)
                 if host is not None:
                     cmd = host.command(cmd)
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**env, **bind,
-                                             **spec.instance_gpus(len(self.instances))},
-                                        start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+                tag = f"dp{os.getpid()}.{name}"
+                command = reaped_command(cmd, tag, spec.stop_grace_s)
+                inst_env = {**env, **bind, **spec.instance_gpus(len(self.instances))}
                 self.instances.append(Instance(
-                    name, role, port, side, proc, log_path, events, log, address,
-                    host.netns if host is not None else None,
-                    bind.get("VLLM_CPU_OMP_THREADS_BIND", "")))
+                    name, role, port, side, self._popen(command, inst_env, log), log_path,
+                    events, log, address, host.netns if host is not None else None,
+                    bind.get("VLLM_CPU_OMP_THREADS_BIND", ""), tag, command, inst_env,
+                    started_at=time.monotonic()))
             for inst in self.instances:
                 self._wait_healthy(inst)
         except BaseException:
@@ -351,9 +382,25 @@ class VllmCluster:
             raise
         return self
 
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str], log: IO[bytes]
+               ) -> subprocess.Popen[bytes]:
+        """A server's reaper (a new session: the reaper leads the server's group)."""
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _respawn(self, inst: Instance) -> None:
+        """Start `inst` again, as it was started (same ports, log appended)."""
+        if inst._log is None:
+            inst._log = inst.log_path.open("ab")
+        inst.process = self._popen(inst.command, inst.env, inst._log)
+        inst.started_at = time.monotonic()
+
     def _wait_healthy(self, inst: Instance) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise LaunchError(f"{inst.name}: the cluster is stopping")
             if inst.process.poll() is not None:
                 raise LaunchError(f"{inst.name} exited with {inst.process.returncode}:\n"
                                   f"{inst.log_tail()}")
@@ -367,25 +414,91 @@ class VllmCluster:
         raise LaunchError(f"{inst.name} not healthy after {self.spec.startup_timeout_s:.0f} s:"
                           f"\n{inst.log_tail()}")
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        for inst in self.instances:
-            if inst.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(inst.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for inst in self.instances:
-            try:
-                inst.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(inst.process.pid, signal.SIGKILL)
-                inst.process.wait()
-            if inst._log is not None:
-                inst._log.close()
-                inst._log = None
+    def stop(self, grace_s: float | None = None) -> None:
+        """Every server down: its reaper is sent SIGTERM and takes its group down (SIGKILL
+        after the grace period), then whatever is left of the group is killed here and the
+        instance's shared memory swept (a reaper that was itself killed cleaned nothing)."""
+        self._stopping.set()
+        grace = self.spec.stop_grace_s if grace_s is None else grace_s
+        with self._lock:
+            for inst in self.instances:
+                if inst.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        inst.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 5.0
+            for inst in self.instances:
+                try:
+                    inst.process.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    inst.process.kill()
+                    inst.process.wait()
+                self._clean_up(inst)
+                if inst._log is not None:
+                    inst._log.close()
+                    inst._log = None
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(5.0)
         if self.hosts is not None:
             self.hosts.close()
             self.hosts = None
+
+    def _clean_up(self, inst: Instance) -> list[str]:
+        """After `inst`'s reaper ended: SIGKILL to any process left in its group, and its
+        tagged shared memory removed; returns what was left (for a report)."""
+        left = reaper.take_down(inst.process.pid, 0.0) if reaper.group_members(
+            inst.process.pid) else []
+        removed = reaper.sweep_shm(inst.tag)
+        return [f"pid {p}" for p in left] + [f"/dev/shm/{n}" for n in removed]
+
+    # -- supervision -----------------------------------------------------------------------
+    def supervise(self, report: Callable[[str], None], restart: bool = True,
+                  interval_s: float = 0.5) -> threading.Thread:
+        """Watch the servers from a thread: a server that dies is reported (`report`, one
+        line), its leftovers removed, and with `restart` started again on the same ports
+        (with a backoff when it keeps dying soon after starting), its return reported."""
+
+        def watch() -> None:
+            while not self._stopping.wait(interval_s):
+                for inst in self.instances:
+                    if not inst.is_gone and inst.process.poll() is not None \
+                            and not self._stopping.is_set():
+                        self._on_death(inst, report, restart)
+
+        self._supervisor = threading.Thread(target=watch, name="vllm-supervisor", daemon=True)
+        self._supervisor.start()
+        return self._supervisor
+
+    def _on_death(self, inst: Instance, report: Callable[[str], None], restart: bool) -> None:
+        code = inst.process.returncode
+        ran_s = time.monotonic() - inst.started_at
+        left = self._clean_up(inst)
+        report(f"{inst.name} ({inst.url}) died after {ran_s:.0f} s: server "
+               f"{reaper.describe_status(code)}"
+               + (f"; removed what was left: {', '.join(left)}" if left else "")
+               + ("" if restart else "; not restarted (--no-restart)"))
+        if not restart:
+            inst.is_gone = True
+            return
+        quick = inst.restarts if ran_s < QUICK_DEATH_S else 0
+        wait_s = RESTART_BACKOFF_S[min(quick, len(RESTART_BACKOFF_S) - 1)] if quick else 0.0
+        if wait_s:
+            report(f"{inst.name}: restarting in {wait_s:g} s (it died {quick + 1} times in a "
+                   f"row within {QUICK_DEATH_S:g} s of starting)")
+        if self._stopping.wait(wait_s):
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            inst.restarts = quick + 1
+            self._respawn(inst)
+        t = time.monotonic()
+        try:
+            self._wait_healthy(inst)
+        except LaunchError as e:
+            if not self._stopping.is_set():
+                report(f"{inst.name} did not come back: {str(e).splitlines()[0]}")
+            return
+        report(f"{inst.name} is back ({inst.url}) after {time.monotonic() - t:.0f} s")
 
     def __enter__(self) -> VllmCluster:
         # SIGTERM (a `timeout`, a CI runner) must still stop the servers: make it an exception

@@ -9,6 +9,8 @@ agent reads and writes it, the decode worker copies from it into its paged KV.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import subprocess
@@ -31,6 +33,10 @@ from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool
 
 SHM_PREFIX = "dualpath-staging-"
+TAG_ENV = "DUALPATH_INSTANCE_TAG"
+"""The instance's tag, set by `dualpath vllm up`'s launcher: the buffer's shared memory is
+named `dualpath-staging-<tag>-<pid>`, so the launcher can remove it whatever killed us."""
+PR_SET_PDEATHSIG = 1
 
 DEFAULT_STAGING_GB = 2.0
 """The staging buffer's default size. It must hold the KV of every prompt in flight between
@@ -108,7 +114,16 @@ def _main() -> None:
     if args.cpus:
         run_on(args.cpus)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # clean up the shared memory
-    slots = SlotPool(f"{SHM_PREFIX}{os.getpid()}", args.full_block_bytes, args.slots)
+    # SIGTERM (and so the cleanup) the moment the decode worker dies, however it dies: the
+    # poll of the parent below takes up to half a second, and a worker killed with its
+    # engine may leave us running otherwise (Linux; nothing elsewhere).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if args.parent is not None and os.getppid() != args.parent:
+        return  # the worker died before the line above
+    tag = os.environ.get(TAG_ENV, "")
+    slots = SlotPool(f"{SHM_PREFIX}{tag + '-' if tag else ''}{os.getpid()}",
+                     args.full_block_bytes, args.slots)
     slots.touch()  # first touch here, once
     pool = StagingPool(slots)
     store = BlockStore(args.store, args.full_block_bytes, is_durable=False)
