@@ -123,3 +123,33 @@ def test_simulation_charges_the_profiled_costs(tmp_path: Path) -> None:
     # Oracle: no I/O time, so JCT is the charged compute alone and scales with it.
     fast_jct, slow_jct = _run(_profile(), tmp_path, "fast"), _run(slow, tmp_path, "slow")
     assert slow_jct == pytest.approx(10 * fast_jct, rel=0.05)
+
+
+def test_advise_on_a_profile_prints_the_deployment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dualpath.cli.main import main
+
+    data = _profile()
+    data["run"].update(storage_nic_bytes_per_s=200 * 2**20, compute_nic_bytes_per_s=800 * 2**20)
+    path = tmp_path / "p.json"
+    write_profile(path, data)
+    assert main(["advise", "--profile", str(path), "--trace", "32k", "--pd", "1P1D",
+                 "--modes", "dualpath", "--steps", "0", "--duration", "60", "--jobs", "1",
+                 "--quiet", "--out", str(tmp_path / "adv"), "--vllm-model", "/m"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: 1P1D dualpath" in out
+    assert out.count("vllm.entrypoints.openai.api_server --model /m") == 4  # 2 engines a node
+    assert "dualpath route --prefill http://prefill-0:8000" in out
+
+
+def test_advise_names_a_bad_profiles_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dualpath.cli.main import main
+
+    data = _profile()
+    del data["fit"]["decode_fixed_s"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["advise", "--profile", str(path), "--out", str(tmp_path / "adv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'fit.decode_fixed_s': missing" in err[0]

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -100,15 +100,21 @@ class RunSpec:
                             max_duration_s=self.max_duration_s, ttft_limit_s=self.ttft_abort_s)
         else:
             driver = Driver(kind="offline", num_agents=self.num_agents)
+        params = SimParams(prefill_ep_engines=self.ep_engines[0],
+                           decode_ep_engines=self.ep_engines[1],
+                           storage_read=(None if self.storage is None
+                                         else StorageReadModel(*self.storage)))
+        extra = s.sim_kwargs()
+        if "params" in extra:  # a profiled engine's cluster sets its own physical details
+            own = extra.pop("params")
+            params = replace(own, prefill_ep_engines=params.prefill_ep_engines,
+                             decode_ep_engines=params.decode_ep_engines,
+                             storage_read=params.storage_read or own.storage_read)
         return SimConfig(
             cluster, _workload(self.mal, self.num_agents, self.append_factor, self.gen_factor,
                                self.seed),
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
-            cost_overrides=self.cost_overrides,
-            params=SimParams(prefill_ep_engines=self.ep_engines[0],
-                             decode_ep_engines=self.ep_engines[1],
-                             storage_read=(None if self.storage is None
-                                           else StorageReadModel(*self.storage))),
+            cost_overrides=self.cost_overrides, params=params, **extra,
         )
 
 

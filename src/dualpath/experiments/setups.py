@@ -7,12 +7,15 @@ A setup is a model on the paper's node type with a default P/D; experiments may 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import UnknownPresetError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.core.units import GB
+from dualpath.experiments.profile import Profile, load_profile
 
 HARDWARE = "h800-deepseek"
 """The paper's node: 8 Hopper GPUs, 8 x 400 Gb/s compute NICs, one 400 Gb/s storage NIC."""
@@ -49,6 +52,37 @@ class Setup:
         )
 
 
+    def sim_kwargs(self) -> dict[str, Any]:
+        """`SimConfig` fields this setup sets beyond the cluster (none: the roofline model)."""
+        return {}
+
+
+PROFILE_PREFIX = "profile:"
+"""`setup("profile:FILE")`: the cluster of the engine profiled in FILE (`dualpath profile`)."""
+
+
+@cache
+def _profile(path: str) -> Profile:
+    return load_profile(path)
+
+
+@dataclass(frozen=True)
+class ProfileSetup(Setup):
+    """A profiled engine's cluster: its model, run configuration and measured step costs
+    (`experiments.profile.Profile`), at 1P1D unless P/D are given."""
+
+    profile_path: str = ""
+
+    def cluster(
+        self, num_prefill_nodes: int | None = None, num_decode_nodes: int | None = None
+    ) -> ClusterSpec:
+        return _profile(self.profile_path).cluster(num_prefill_nodes or self.num_prefill_nodes,
+                                                   num_decode_nodes or self.num_decode_nodes)
+
+    def sim_kwargs(self) -> dict[str, Any]:
+        return _profile(self.profile_path).sim_kwargs()
+
+
 SETUPS: dict[str, Setup] = {
     s.name: s
     for s in (
@@ -62,7 +96,15 @@ SETUPS: dict[str, Setup] = {
 
 def setup(name: str) -> Setup:
     """The named setup, or `MODEL@HARDWARE` for any model and node preset at 1P1D (its
-    hardware's DRAM buffer); UnknownPresetError lists the valid names."""
+    hardware's DRAM buffer), or `profile:FILE` for a profiled engine's cluster at 1P1D;
+    UnknownPresetError lists the valid names."""
+    if name.startswith(PROFILE_PREFIX):
+        path = name[len(PROFILE_PREFIX):]
+        prof = _profile(path)
+        return ProfileSetup(name, str(prof.model["name"]), 1, 1,
+                            prof.run["dram_buffer_bytes"] / GB,
+                            label=f"{prof.model['name']} ({prof.data['engine']['kind']} profile "
+                            f"{path})", hardware=f"{prof.hardware().name}", profile_path=path)
     if "@" in name:
         model, hw = name.split("@", 1)
         model_preset(model)

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 from dualpath.core.errors import DualPathError
+from dualpath.experiments.deploy import deployment, render
 from dualpath.experiments.extensions import advise
 from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.report import Context, section_markdown
 from dualpath.experiments.runner import Runner, RunSpec
-from dualpath.experiments.setups import HARDWARE, SETUPS, setup
+from dualpath.experiments.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
 
 
@@ -51,6 +52,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "results are identical to a serial run")
     p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines or bar")
+    p.add_argument("--profile", metavar="FILE",
+                   help="simulate the engine measured by `dualpath profile` (this file): its "
+                   "step costs instead of the roofline model, its model and run configuration "
+                   "(--model and --hardware are not used)")
+    d = p.add_argument_group("deployment commands printed for the recommendation")
+    d.add_argument("--vllm-model", default="MODEL_DIR", metavar="DIR",
+                   help="the model folder each vLLM server loads (default: %(default)s)")
+    d.add_argument("--store", default="/mnt/dualpath-kv", metavar="DIR",
+                   help="the block store every node and the router mount (default: %(default)s)")
+    d.add_argument("--vllm-python", default="python3", metavar="EXE",
+                   help="the interpreter of the venv with vLLM on the nodes (default: "
+                   "%(default)s)")
+    d.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="GPUs per vLLM instance (default: %(default)s: one per GPU)")
     p.set_defaults(func=run)
 
 
@@ -77,8 +92,12 @@ def run(args: argparse.Namespace) -> int:
         mode_preset(m)
     if args.steps < 0:
         raise AdviseArgsError(f"--steps={args.steps}: must be >= 0")
-    known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
-    name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
+    if args.profile:
+        name = f"{PROFILE_PREFIX}{args.profile}"
+        setup(name)  # reads and checks the file now: a bad one is one line naming the field
+    else:
+        known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
+        name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
 
     runner = Runner(jobs=args.jobs or os.cpu_count() or 1, progress=not args.quiet)
 
@@ -122,6 +141,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"             {c.label}: {c.capacity_text} APS ({1e3 * c.aps_per_gpu:.2f} "
               f"mAPS/GPU); bottleneck: {c.bottleneck}")
     print(f"wrote {md} and {ctx.path('advise.csv')}")
+    hw = setup(name).cluster(best.num_prefill_nodes, best.num_decode_nodes).hardware
+    launches = deployment(best.num_prefill_nodes, best.num_decode_nodes, hw.gpus_per_node,
+                          model=args.vllm_model, store=args.store, mode=best.mode,
+                          python=args.vllm_python,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          storage_gbps=hw.storage_nic_bytes_per_s * 8 / 1e9)
+    print(f"\ndeploy {best.label} (replace prefill-N / decode-N with your hosts' names; every "
+          f"node and the router mount the block store at {args.store}):")
+    print(render(launches))
     if runner.ray is not None:
         print(f"simulated {len(runner.log)} runs on Ray: {runner.where() or 'none'}")
     for f in runner.failures:
