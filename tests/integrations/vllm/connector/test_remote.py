@@ -217,6 +217,33 @@ def test_a_peer_agent_is_added_once_whatever_the_connections(pair: Pair) -> None
     channel.close()
 
 
+def test_a_restarted_decode_node_is_reached_at_its_new_agent(pair: Pair) -> None:
+    # `dualpath vllm up` restarts a dead decode instance on the same side-channel port; its
+    # staging service is a new process with a new NIXL agent and buffer.
+    p = pair
+    de = p.channel.address
+
+    def pull(xfer: str, block_ids: tuple[int, ...]) -> set[int]:
+        plan = StepPlan(remote_loads=[RemoteLoad(xfer, de, BlockTransfer(
+            "r", 0, block_ids, tuple(KEYS[:2])))])
+        prefill_step(p, plan, {})
+        return p.p_worker.take_load_errors()
+
+    assert pull("a", (5, 1)) == set()
+    p.channel.close()
+    p.d_link.close()
+    p.pool.close()
+    p.pool = StagingPool(SlotPool(None, FULL, 6))
+    p.d_link = NixlAgent(agent_name("decode-test"), progress_thread=True)
+    p.d_link.register([(p.pool.base, p.pool.num_slots * FULL)])
+    p.channel = DecodeSideChannel(de, p.pool, p.store, p.d_link.metadata(), p.d_link.connect)
+    pull("b", (2, 3))  # may find the old connection dead: a load error, recomputed
+    assert pull("c", (4, 6)) == set()
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((4, 6), p.stored[:2], strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+
+
 def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:
     p = pair
     de = p.channel.address

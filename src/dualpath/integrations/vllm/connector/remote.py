@@ -82,7 +82,8 @@ class PrefillRemote:
         """(decode side channel, thread) -> a connection (a background load's long `stage`
         never holds up the engine thread's pushes)."""
         self._agents: dict[str, str] = {}
-        """decode side channel -> its NIXL agent name (connected once)."""
+        """decode side channel -> its NIXL agent name (again when a new connection finds a
+        new one: a restarted decode instance)."""
         self._lock = threading.Lock()
         self._plan = StepPlan()
         self._reads: dict[int, list[tuple[str, Pending]]] = defaultdict(list)
@@ -117,10 +118,13 @@ class PrefillRemote:
                                    f"{self.kv.full_block_bytes} B: not the same model")
         with self._lock:
             try:
-                if address not in self._agents:
-                    self._agents[address] = self.link.connect(info.agent)
-                if address not in self._remotes:
-                    self._remotes[address] = (self._prep_slots(self._agents[address], info.address,
+                # A new connection may find a new agent: the decode instance was restarted
+                # (its staging service is a new process). Transfers prepared for the old
+                # one fail (`_post`) and their requests recompute; new ones use this.
+                agent = self.link.connect(info.agent)
+                if self._agents.get(address) != agent or address not in self._remotes:
+                    self._agents[address] = agent
+                    self._remotes[address] = (self._prep_slots(agent, info.address,
                                                                info.num_slots), info.address)
             except TransferError:
                 client.close()
