@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dualpath.core import store as store_module
 from dualpath.core.blocks import block_keys
+from dualpath.core.errors import SpecError
 from dualpath.core.store import HEADER_BYTES, BlockStore, StoreError
 
 BLOCK_BYTES = 4096
@@ -172,28 +173,62 @@ def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
 
 
 def test_opening_a_store_removes_the_temps_of_dead_writers_only(tmp_path: Path) -> None:
-    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
     key = b"t" * 16
-    store.put(key, payload(0))
+    folder = tmp_path / key.hex()[:2]
+    folder.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid names no process now
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # Names as `put` makes them: .tmp-<key>-<host tag>-<pid>-<n>.
         tag = store_module._HOST_TAG
-        folder = store.path_of(key).parent
         temps = {pid: folder / f".tmp-{key.hex()}-{tag}-{pid}-0"
                  for pid in (dead.pid, alive.pid, os.getpid())}
         for t in temps.values():
             t.write_bytes(b"partial")
-        reopened = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
-        assert reopened.counters.num_stale_temps_removed == 1
+        store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+        assert store.path_of(key).parent == folder
+        assert store.counters.num_stale_temps_removed == 1
         assert not temps[dead.pid].exists()
         assert temps[alive.pid].exists() and temps[os.getpid()].exists()  # may be writing
+        store.put(key, payload(0))
+        # The sweep lists every directory: a second open of the root in this process (a
+        # worker's store and its side channel's) does not repeat it.
+        temps[dead.pid].write_bytes(b"partial")
+        reopened = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+        assert reopened.counters.num_stale_temps_removed == 0 and temps[dead.pid].exists()
+        assert reopened.remove_stale_temp() == 1
         assert reopened.get_into(key, bytearray(BLOCK_BYTES))
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_store_with_a_capacity_evicts_the_least_recently_used_blocks(
+        tmp_path: Path) -> None:
+    one = HEADER_BYTES + BLOCK_BYTES
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False, capacity_bytes=4 * one)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for i, key in enumerate(keys[:4]):
+        store.put(key, payload(i))
+    assert store.counters.num_evicted == 0 and len(store.keys()) == 4  # at capacity, kept
+    old = time.time() - 3600
+    for i, key in enumerate(keys[:4]):  # used in key order, an hour ago
+        os.utime(store.path_of(key), (old + i, old + i))
+    # A write in progress (a temp file, older than every block) is never evicted.
+    writing = store.path_of(keys[0]).parent / f".tmp-{keys[0].hex()}-x-1-0"
+    writing.write_bytes(bytes(one))
+    os.utime(writing, (old - 10, old - 10))
+    assert store.get_into(keys[0], bytearray(BLOCK_BYTES))  # block 0 used now
+    store.put(keys[4], payload(4))  # 5 blocks: down to 90% of 4, the 2 least recent go
+    assert store.counters.num_evicted == 2
+    assert sorted(store.keys()) == sorted([keys[0], keys[3], keys[4]])
+    assert writing.exists()
+    assert not store.get_into(keys[1], bytearray(BLOCK_BYTES))  # a miss: recomputed
+    store.put(keys[5], payload(5))  # 4 blocks: within the capacity again
+    assert store.counters.num_evicted == 2 and len(store.keys()) == 4
+    with pytest.raises(SpecError, match="capacity_bytes"):
+        BlockStore(tmp_path, BLOCK_BYTES, capacity_bytes=0)
 
 
 def test_two_stores_of_one_process_put_one_key_from_many_threads(tmp_path: Path) -> None:

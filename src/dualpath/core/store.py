@@ -26,10 +26,22 @@ visible to every reader the moment its rename lands, and the filesystem is the i
 Atomicity: `put` writes a temp file in the block's directory, fsyncs it (when `is_durable`),
 then `os.replace`s it onto the final name. A writer killed at any point leaves at most a
 `.tmp-*` file, which readers never open; the final name only ever refers to a complete file.
-Opening a store removes the temp files of writers on this host that are no longer running
-(and any older than an hour). A put that fails (a full disk, a read-only mount) removes its
-temp file, is counted in `num_failed_puts` and raises; callers that persist KV in the
-background count it and carry on (the block is a later cache miss).
+The first open of a store root in a process removes the temp files of writers on this host
+that are no longer running (and any older than an hour): the sweep lists every directory, so
+a process opening the same root again (a worker's store, its side channel's, a router's)
+does not repeat it. A put that fails (a full disk, a read-only mount) removes its temp
+file, is counted in `num_failed_puts` and raises; callers that persist KV in the background
+count it and carry on (the block is a later cache miss).
+
+Capacity (optional, `capacity_bytes`): the store keeps about that many bytes of block files
+and evicts whole blocks, least recently used first (the later of a file's atime and mtime; a
+hit refreshes the atime once a minute, whatever the mount's atime policy), down to
+`EVICT_TO` of it. A writer keeps an estimate (the last scan's total plus what it wrote since)
+and scans the store when that passes the capacity; blocks other processes write count from
+its next scan, so several writers together may pass the capacity for a while. A write in
+progress is a temp file, never evicted, and a put never evicts the block it just wrote. An
+evicted block is a later miss (recompute), and a reader that has it open reads it whole.
+
 Integrity: every read checks the magic, the key, the size and the CRC32C of the payload (the
 SSE4.2 instruction, ~15 GB/s, so verification costs a few percent of a read); a block
 that fails is counted as corrupt, removed, and reported as a miss, so the caller recomputes it
@@ -48,6 +60,7 @@ import os
 import socket
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -77,6 +90,13 @@ _HOST_TAG = f"{crc32c.crc32c(socket.gethostname().encode()):08x}"
 _TMP_IDS = itertools.count()
 """Per process, not per store: two stores of one process (nodes launched as threads) writing
 the same key must not pick the same temp name."""
+_SWEPT_ROOTS: set[str] = set()
+"""Store roots (real paths) whose stale temps this process has swept."""
+_SWEPT_LOCK = threading.Lock()
+EVICT_TO = 0.9
+"""A store over its capacity evicts down to this fraction of it (so a scan is rare)."""
+TOUCH_AFTER_S = 60.0
+"""A hit on a block whose atime is older than this sets it to now (LRU recency)."""
 
 
 class StoreError(DualPathError):
@@ -102,6 +122,9 @@ class StoreCounters:
     """Puts that raised OSError (a full disk, a read-only store); nothing was stored."""
     num_stale_temps_removed: int = 0
     """Temp files of dead writers removed when the store was opened."""
+    num_evicted: int = 0
+    """Blocks removed to keep the store within its capacity."""
+    num_capacity_scans: int = 0
     read_bytes: int = 0
     written_bytes: int = 0
 
@@ -142,21 +165,31 @@ class BlockStore:
     not thread-safe (its counters are plain integers).
     """
 
-    def __init__(self, root: Path | str, full_block_bytes: int, *, is_durable: bool = True) -> None:
+    def __init__(self, root: Path | str, full_block_bytes: int, *, is_durable: bool = True,
+                 capacity_bytes: int | None = None) -> None:
         """Open (creating if needed) the store at `root` for blocks of `full_block_bytes`.
 
         `is_durable=False` skips fsync: writes are still atomic against a process crash (the
         page cache survives it) but not against a power loss; meant for tests and benches.
-        Raises StoreError if `root` already holds blocks of another size.
+        `capacity_bytes`: evict least recently used blocks beyond about that many bytes of
+        block files (None: keep every block). Raises StoreError if `root` already holds
+        blocks of another size.
         """
         positive_int("blockstore", "full_block_bytes", full_block_bytes)
+        if capacity_bytes is not None:
+            positive_int("blockstore", "capacity_bytes", capacity_bytes)
         self.root = Path(root)
         self._root_str = os.fspath(self.root)
         self.full_block_bytes = full_block_bytes
         self.is_durable = is_durable
+        self.capacity_bytes = capacity_bytes
+        self._stored_bytes: int | None = None
+        """Bytes of block files: the last capacity scan's total plus this store's puts since
+        (None: not scanned yet)."""
         self.counters = StoreCounters()
         self._open_meta()
-        self.counters.num_stale_temps_removed = self.remove_stale_temp()
+        if _first_open_here(self._root_str):
+            self.counters.num_stale_temps_removed = self.remove_stale_temp()
 
     # -- metadata --------------------------------------------------------------------------
     def _open_meta(self) -> None:
@@ -270,7 +303,56 @@ class BlockStore:
             _fsync_dir(path.parent)
         self.counters.num_puts += 1
         self.counters.written_bytes += self.file_bytes
+        if self.capacity_bytes is not None:
+            if self._stored_bytes is not None and \
+                    self._stored_bytes + self.file_bytes <= self.capacity_bytes:
+                self._stored_bytes += self.file_bytes
+            else:
+                self.evict(keep=os.fspath(path))
         return True
+
+    def evict(self, keep: str = "") -> int:
+        """Scan the store and, past `capacity_bytes`, remove the least recently used block
+        files (never `keep`, the path of a block just written) down to `EVICT_TO` of it;
+        returns how many. Without a capacity, nothing."""
+        if self.capacity_bytes is None:
+            return 0
+        self.counters.num_capacity_scans += 1
+        blocks = []
+        total = 0
+        with contextlib.suppress(OSError):
+            for folder in os.scandir(self._root_str):
+                if len(folder.name) != 2 or not folder.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError), os.scandir(folder.path) as entries:
+                    for entry in entries:
+                        if not entry.name.endswith(".blk") or entry.name.startswith("."):
+                            continue
+                        with contextlib.suppress(OSError):
+                            st = entry.stat(follow_symlinks=False)
+                            total += st.st_size
+                            blocks.append((max(st.st_atime, st.st_mtime), st.st_size,
+                                           entry.path))
+        removed = 0
+        if total > self.capacity_bytes:
+            target = int(self.capacity_bytes * EVICT_TO)
+            blocks.sort()
+            for _, size, path in blocks:
+                if total <= target:
+                    break
+                if path == keep:
+                    continue
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:  # another process evicted it: gone all the same
+                    pass
+                except OSError:
+                    continue
+                total -= size
+        self.counters.num_evicted += removed
+        self._stored_bytes = total
+        return removed
 
     # -- read ------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: Any) -> bool:
@@ -303,6 +385,8 @@ class BlockStore:
         header = bytearray(HEADER_BYTES)
         try:
             got = _preadv_all(fd, [header, *views])
+            if self.capacity_bytes is not None:
+                _touch(fd)
         except OSError:  # a directory (EISDIR), a FIFO (ESPIPE), an I/O error
             self.counters.num_unreadable += 1
             return False
@@ -366,6 +450,25 @@ class BlockStore:
     def keys(self) -> list[bytes]:
         """Keys of all stored blocks (a directory walk; for tools and tests)."""
         return [bytes.fromhex(p.stem) for p in sorted(self.root.glob("*/*.blk"))]
+
+
+def _first_open_here(root: str) -> bool:
+    """Whether this is the process's first open of store `root` (then it sweeps)."""
+    real = os.path.realpath(root)
+    with _SWEPT_LOCK:
+        if real in _SWEPT_ROOTS:
+            return False
+        _SWEPT_ROOTS.add(real)
+        return True
+
+
+def _touch(fd: int) -> None:
+    """Mark an open block as used now (its atime), at most once per `TOUCH_AFTER_S`."""
+    st = os.fstat(fd)
+    now_ns = time.time_ns()
+    if now_ns - st.st_atime_ns > TOUCH_AFTER_S * 1e9:
+        with contextlib.suppress(OSError):  # a read-only store: recency is only a hint
+            os.utime(fd, ns=(now_ns, st.st_mtime_ns))
 
 
 def _create_temp(path: Path) -> tuple[int, str]:
