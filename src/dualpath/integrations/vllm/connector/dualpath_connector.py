@@ -12,7 +12,8 @@ each block, default true), `event_log` (a JSON-lines file of loads and saves, de
 `background_saves` (write new blocks from a writer thread, not in the step; default true on a
 decode instance, false otherwise), `read_threads` / `write_threads` (store reads and writes
 in flight per worker, default 16 / 4), `staging_gb` or `staging_blocks` (a decode instance's
-staging buffer, in GB, default 2, or in Full Blocks).
+staging buffer, in GB, default 2, or in Full Blocks), `store_capacity_gb` (the store keeps
+about that many GB, evicting the least recently used blocks; default none: every block).
 
 On every instance, every full block of every request is persisted when the step that
 computes its last token ends; a later request whose prefix is
@@ -163,8 +164,14 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                            "it", extra.kv_load_failure_policy)
         layout = _layout(vllm_config, kv_cache_config)
         self._layout = layout
+        capacity_gb = extra.get_from_extra_config("store_capacity_gb", None)
+        if capacity_gb is not None and not float(capacity_gb) > 0:
+            raise ValueError(f"DualPathConnector: kv_connector_extra_config.store_capacity_gb "
+                             f"must be > 0, got {capacity_gb!r}")
         self._store = BlockStore(store_path, len(layout.layer_names) * layout.page_bytes,
-                                 is_durable=bool(extra.get_from_extra_config("durable", True)))
+                                 is_durable=bool(extra.get_from_extra_config("durable", True)),
+                                 capacity_bytes=None if capacity_gb is None
+                                 else max(1, int(float(capacity_gb) * 1e9)))
         self._pd_role = PD_ROLES.get(str(extra.kv_role), "both")
         self._planner: Planner | None = None
         self._worker: KVWorker | None = None
