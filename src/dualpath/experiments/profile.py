@@ -184,14 +184,15 @@ class Profile:
     def sim_kwargs(self) -> dict[str, Any]:
         """`SimConfig` fields that make a simulation run this profile's cluster: the measured
         costs, the run's scheduler constants, its block size, no HBM reserve (the engine
-        memory is already what is left for KV) and storage read at the line rate (the runtime
-        paces its storage NICs at exactly that rate)."""
+        memory is already what is left for KV), storage read at the line rate (the runtime
+        paces its storage NICs at exactly that rate), and an agent's next turn only once the
+        last one is persisted (the runtime reports a turn done after persisting its blocks)."""
         r = self.data["run"]
         return {
             "step_costs": self.costs,
             "scheduler": self.scheduler_params(),
             "params": SimParams(block_size_tokens=int(r["block_size"]), hbm_reserve_fraction=0.0,
-                                storage_read=NOMINAL),
+                                storage_read=NOMINAL, is_next_turn_after_persist=True),
         }
 
     def describe(self) -> str:

@@ -55,6 +55,11 @@ class SimParams:
     decode engine of the cluster (a cluster scaled out as copies of a small unit keeps the
     unit's count instead)."""
 
+    is_next_turn_after_persist: bool = False
+    """An agent's next turn arrives only once the finished turn's new Full Blocks are in
+    storage (the runtime reports a turn done after persisting it), not when its last token is
+    out."""
+
     def __post_init__(self) -> None:
         o = "sim.params"
         positive_int(o, "block_size_tokens", self.block_size_tokens)

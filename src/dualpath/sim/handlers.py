@@ -74,6 +74,9 @@ class Handlers:
         self.is_oracle = config.mode.is_oracle
         self.is_layerwise = config.mode.is_layerwise
         self.is_hbm_gated = not self.is_layerwise and not self.is_oracle
+        self.persist_waiters: dict[int, list[Callable[[], None]]] = {}
+        """Per DE: next turns waiting for the persistence not yet started
+        (`SimParams.is_next_turn_after_persist`)."""
         """Without layerwise prefill a PE-side read lands in the PE's HBM (`_next_read`)."""
         wl = config.workload
         self.wl_prompt: list[int] = wl.prompt_tokens.tolist()
@@ -526,6 +529,17 @@ class Handlers:
         self.net.start(Flow([(nd.dram, nbytes), (de.cnic_read, nbytes), (de.cnic_write, nbytes)],
                             1.0, copied))
 
+    def _after_persist(self, req: Req, de: Engine) -> None:
+        """The agent's next turn (if any) arrives once `de`'s next persistence, which carries
+        this turn's blocks, is done; until then the DEs are dispatched as at a last turn."""
+        agent = req.agent
+        nxt = self.agent_next[agent]
+        if nxt < self.agent_rows[agent][1]:
+            self.agent_next[agent] = nxt + 1
+            self.persist_waiters.setdefault(de.idx, []).append(
+                lambda: self.arrive(agent, nxt))
+        self._dispatch_de()
+
     def _persist(self, de: Engine, nbytes: float) -> None:
         """New Full Blocks go GPU -> DE buffer (D2H through the CNIC) -> storage NIC. One
         transfer per DE at a time; blocks finished meanwhile go together in the next one."""
@@ -535,11 +549,15 @@ class Handlers:
         total, de.persist_pending_bytes = de.persist_pending_bytes, 0.0
         de.is_persisting = True
         nd = self.nodes[de.node]
+        waiters = self.persist_waiters.pop(de.idx, None)
 
         def persisted() -> None:
             de.is_persisting = False
             if de.persist_pending_bytes > 0:
                 self._persist(de, 0.0)
+            if waiters is not None:
+                for arrive in waiters:
+                    arrive()
 
         self.net.start(Flow(
             [(de.cnic_read, 1.0), (de.cnic_write, 1.0), (nd.dram, 2.0), (nd.snic_write, 1.0)],
@@ -637,7 +655,11 @@ class Handlers:
             new_blocks = ((req.prompt_tokens + req.gen_tokens) // block
                           - req.hit_tokens // block)
             if new_blocks > 0:
+                if self.params.is_next_turn_after_persist:
+                    self._after_persist(req, eng)
                 self._persist(eng, new_blocks * block * self.kv_bpt)
+                if self.params.is_next_turn_after_persist:
+                    return
         lo_hi = self.agent_rows[req.agent]
         nxt = self.agent_next[req.agent]
         if nxt < lo_hi[1]:
