@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.core.errors import SpecError
 from dualpath.core.pickling import pickle_by_fields
 from dualpath.core.validate import positive
 from dualpath.sched.cost import AttentionTimeEstimator
+
+_INF: Final = float("inf")
 
 
 # Written `__init__`s, not `frozen=True`: built on every pack (see `dualpath.sched.types`).
@@ -37,11 +40,13 @@ class PrefillItem:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        owner = f"prefill_item[{self.request_id}]"
+        # The owner's name is built only for an error (an item per pack: a hot path).
         if self.cached_tokens < 0:
-            raise SpecError(owner, "cached_tokens", self.cached_tokens, "must be >= 0")
+            raise SpecError(f"prefill_item[{self.request_id}]", "cached_tokens",
+                            self.cached_tokens, "must be >= 0")
         if self.remaining_tokens < 1:
-            raise SpecError(owner, "remaining_tokens", self.remaining_tokens, "must be >= 1")
+            raise SpecError(f"prefill_item[{self.request_id}]", "remaining_tokens",
+                            self.remaining_tokens, "must be >= 1")
 
 
 @dataclass(slots=True, init=False, unsafe_hash=True)
@@ -118,7 +123,8 @@ def pack_prefill_batch(
     quota; only a quota below the fixed per-pass time or a gigantic context causes this).
     Cost: O(batch + log bsz) estimator calls.
     """
-    positive("pack", "quota_s", quota_s)
+    if not 0.0 < quota_s < _INF:  # the full check (and its message) off the hot path
+        positive("pack", "quota_s", quota_s)
     if max_batch_tokens is not None and max_batch_tokens < 1:
         raise SpecError("pack", "max_batch_tokens", max_batch_tokens, "must be >= 1")
     token_room = max_batch_tokens if max_batch_tokens is not None else None

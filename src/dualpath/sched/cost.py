@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol, final
 
 from dualpath.core.datafile import read_entries
 from dualpath.core.errors import DualPathError, SpecError
@@ -196,11 +196,20 @@ def attention_pair_time_s(
     Non-decreasing in both arguments; 0 when `new_tokens` is 0."""
     if new_tokens <= 0:
         return 0.0
-    score = model.prefill_attention_flops(cached_tokens, new_tokens) / (
-        hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency
-    )
-    proj = new_tokens * model.attn_linear_flops_per_token / _linear_flops_per_s(hw, coeffs)
-    return score + proj
+    c = _constants(model, hw, coeffs)
+    # `ModelSpec.prefill_attention_flops`, term by term in its order, on hoisted constants.
+    first, last = cached_tokens + 1.0, cached_tokens + new_tokens
+    n = last - first + 1.0
+    if c.top_k <= 0.0 or last <= c.top_k:
+        keys = (first + last) * n / 2.0
+    elif first >= c.top_k:
+        keys = c.top_k * n
+    else:
+        below = c.top_k - first + 1.0
+        keys = (first + c.top_k) * below / 2.0 + c.top_k * (n - below)
+    index_keys = (first + last) * new_tokens / 2.0 if c.top_k > 0.0 else 0.0
+    flops = c.num_layers * (c.per_key * keys + c.per_index_key * index_keys)
+    return flops / c.attn_flops_per_s + new_tokens * c.attn_linear_flops / c.linear_flops_per_s
 
 
 def prefill_attention_time_s(
@@ -291,28 +300,77 @@ def decode_step_time_s(
     `num_expert_parallel_engines`: see `decode_weight_read_bytes`."""
     if batch_size <= 0:
         return 0.0
-    read = decode_weight_read_bytes(model, hw, num_expert_parallel_engines) + decode_kv_read_bytes(
-        model, batch_size, total_context_tokens
-    )
-    memory_s = read / (hw.hbm_bytes_per_s * coeffs.decode_hbm_efficiency)
-    attn_keys = (
-        min(total_context_tokens, batch_size * model.dsa_top_k)
-        if model.dsa_top_k else total_context_tokens
-    )
-    per_key = 2.0 * model.num_attention_heads * (model.attn_qk_head_dim + model.attn_v_head_dim)
-    attn_flops = model.num_layers * (
-        per_key * attn_keys + model.indexer_flops_per_layer(total_context_tokens)
-    )
-    compute_s = attn_flops / (hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency) + (
-        batch_size * (model.attn_linear_flops_per_token + model.ffn_flops_per_token)
-        / _linear_flops_per_s(hw, coeffs)
-    )
-    overhead_s = (
-        model.num_layers * coeffs.per_layer_overhead_s
-        + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
-        + coeffs.per_step_overhead_s
-    )
-    return max(memory_s, compute_s) + overhead_s
+    c = _constants(model, hw, coeffs)
+    ctx = total_context_tokens
+    # The terms of `decode_weight_read_bytes` + `decode_kv_read_bytes` and of the compute
+    # time, in their order, on hoisted constants (so every float is the same).
+    weight = (c.weight_bytes / (num_expert_parallel_engines or c.gpus_per_node) if c.is_moe
+              else c.weight_bytes)
+    if c.top_k > 0.0:
+        sparse_keys = float(batch_size) * c.top_k
+        attn_keys = sparse_keys if sparse_keys < ctx else ctx
+        kv = c.num_layers * (c.index_key_bytes * ctx + c.main_key_bytes * attn_keys)
+    else:
+        attn_keys = ctx
+        kv = c.kv_bytes_per_token * ctx
+    memory_s = (weight + kv) / c.hbm_bytes_per_s
+    attn_flops = c.num_layers * (c.per_key * attn_keys + c.per_index_key * ctx)
+    compute_s = (attn_flops / c.attn_flops_per_s
+                 + batch_size * c.token_linear_flops / c.linear_flops_per_s)
+    return max(memory_s, compute_s) + c.decode_overhead_s
+
+
+@final
+class _Constants:
+    """The per-(model, hardware, coefficients) factors of the step times above, each computed
+    by the same expression as where `ModelSpec` / the functions above compute it (so the step
+    times are the same floats): the simulator charges hundreds of thousands of steps, and
+    reading them off the frozen specs (properties included) each time dominated the cost."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients) -> None:
+        self.model = model
+        self.hw = hw
+        self.coeffs = coeffs
+        self.num_layers = float(model.num_layers)
+        self.top_k = float(model.dsa_top_k)
+        self.per_key = 2.0 * model.num_attention_heads * (
+            model.attn_qk_head_dim + model.attn_v_head_dim)
+        self.per_index_key = 2.0 * model.dsa_index_heads * model.dsa_index_head_dim
+        self.attn_flops_per_s = hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency
+        self.attn_linear_flops = model.attn_linear_flops_per_token
+        self.token_linear_flops = model.attn_linear_flops_per_token + model.ffn_flops_per_token
+        self.linear_flops_per_s = _linear_flops_per_s(hw, coeffs)
+        self.is_moe = model.is_moe
+        self.weight_bytes = float(model.weight_bytes)
+        self.gpus_per_node = hw.gpus_per_node
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.index_key_bytes = _indexer_key_bytes_per_layer(model)
+        self.main_key_bytes = model.kv_bytes_per_token_per_layer - self.index_key_bytes
+        self.hbm_bytes_per_s = hw.hbm_bytes_per_s * coeffs.decode_hbm_efficiency
+        self.decode_overhead_s = (
+            model.num_layers * coeffs.per_layer_overhead_s
+            + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
+            + coeffs.per_step_overhead_s
+        )
+
+
+class _LastConstants:
+    """The constants of the last (model, hardware, coefficients) asked for, by identity (one
+    run charges one triple; the specs are frozen, and held here so an id is never reused)."""
+
+    def __init__(self) -> None:
+        self.last: _Constants | None = None
+
+
+_LAST: Final = _LastConstants()
+
+
+def _constants(model: ModelSpec, hw: HardwareSpec, coeffs: CostCoefficients) -> _Constants:
+    c = _LAST.last
+    if c is None or c.model is not model or c.hw is not hw or c.coeffs is not coeffs:
+        c = _Constants(model, hw, coeffs)
+        _LAST.last = c
+    return c
 
 
 # -- the estimator interface intra-engine packing takes --------------------------------------

@@ -145,15 +145,16 @@ class WaitingRequest:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        owner = f"request[{self.request_id}]"
+        # The owner's name is built only for an error (one request per turn: a hot path).
         if self.prompt_tokens < 0:
-            raise SpecError(owner, "prompt_tokens", self.prompt_tokens, "must be >= 0")
+            raise SpecError(f"request[{self.request_id}]", "prompt_tokens", self.prompt_tokens,
+                            "must be >= 0")
         if not 0 <= self.hit_tokens <= self.prompt_tokens:
-            raise SpecError(
-                owner, "hit_tokens", self.hit_tokens, f"must be in [0, {self.prompt_tokens}]"
-            )
+            raise SpecError(f"request[{self.request_id}]", "hit_tokens", self.hit_tokens,
+                            f"must be in [0, {self.prompt_tokens}]")
         if self.gen_tokens < 0:
-            raise SpecError(owner, "gen_tokens", self.gen_tokens, "must be >= 0")
+            raise SpecError(f"request[{self.request_id}]", "gen_tokens", self.gen_tokens,
+                            "must be >= 0")
 
     @property
     def miss_tokens(self) -> int:

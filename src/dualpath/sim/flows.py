@@ -16,7 +16,6 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from functools import partial
 from itertools import count
 
 from dualpath.sim.kernel import EventLoop
@@ -124,7 +123,7 @@ class Flow:
     """A transfer of `size` units over weighted links; `on_done` runs when it completes."""
 
     __slots__ = (
-        "_cap_link", "_frozen", "_handle", "_limit", "_mark", "_new_rate", "_updated_s",
+        "_cap_link", "_frozen", "_handle", "_limit", "_mark", "_net", "_new_rate", "_updated_s",
         "bottleneck", "bound",
         "is_wide", "links", "on_done", "rate", "remaining", "size",
     )
@@ -157,6 +156,14 @@ class Flow:
         self._limit = 0.0
         """Its bound in the current recompute, lowered for a wide flow by its private links."""
         self._cap_link: Link | None = None
+        self._net: FlowNet | None = None
+        """The net it runs on (set by `FlowNet.start`)."""
+
+    def __call__(self) -> None:
+        """Its completion event: the flow is its own callback (no closure per (re-)rate)."""
+        net = self._net
+        assert net is not None
+        net._finish(self)
 
 
 class FlowNet:
@@ -180,6 +187,7 @@ class FlowNet:
             return flow
         now = self.loop.now_s
         flow._updated_s = now
+        flow._net = self
         bound_link = _bound_link(flow)
         assert bound_link is not None  # links is not empty
         bound = bound_link.capacity_bytes_per_s / links[bound_link]
@@ -211,7 +219,7 @@ class FlowNet:
             u = load / link.capacity_bytes_per_s
             if u > link.peak_utilization:
                 link.peak_utilization = u
-        flow._handle = self.loop.at(now + flow.remaining / bound, partial(self._finish, flow))
+        flow._handle = self.loop.at(now + flow.remaining / bound, flow)
         return flow
 
     def set_capacity(self, link: Link, capacity_bytes_per_s: float) -> None:
@@ -418,7 +426,7 @@ class FlowNet:
             if f._handle:
                 loop.cancel(f._handle)
             done_s = now + max(f.remaining, 0.0) / rate if rate > 0 else math.inf
-            f._handle = loop.at(done_s, partial(self._finish, f)) if done_s < math.inf else 0
+            f._handle = loop.at(done_s, f) if done_s < math.inf else 0
         # Peaks are checked only once every rate of this recompute is applied.
         for link in changed:
             link.set_load(link.load_bytes_per_s)
