@@ -1,15 +1,17 @@
-"""The storage read model: its two forms, validation, and the per-hardware record."""
+"""The storage read model: its three forms, validation, and the per-hardware record."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dualpath.core.errors import DualPathError
 from dualpath.core.storage import (
     NOMINAL,
+    THREEFS_PEAK_FRACTION,
     StorageFileError,
     StorageReadModel,
     storage_read_model,
@@ -35,19 +37,46 @@ def test_per_block_form_favours_large_blocks() -> None:
     assert not m.is_nominal
 
 
+def test_queued_form_gives_back_the_3fs_measurements_it_was_derived_from() -> None:
+    # 3FS#410: 32 reads in flight on one 400 Gb/s NIC, 1 MiB -> 23.2 GiB/s, 4 MiB -> 32.5.
+    m = StorageReadModel(reads_in_flight=32)
+    assert m.form == "queued" and not m.is_nominal
+    assert m.read_bytes_per_s(R, 1 << 20) == pytest.approx(23.2 * 2**30)
+    assert m.read_bytes_per_s(R, 4 << 20) == pytest.approx(32.5 * 2**30)
+    assert m.read_latency_s == pytest.approx(0.514e-3, rel=1e-3)
+    # A deeper queue reaches the cap (3FS#410 after tuning: ~42 GiB/s, 0.9 of the line).
+    deep = StorageReadModel(reads_in_flight=128)
+    assert deep.read_bytes_per_s(R, 1 << 20) == pytest.approx(THREEFS_PEAK_FRACTION * R)
+    # Larger blocks read faster at the same depth: DS 27B < DS 660B < Qwen2.5-32B blocks.
+    rates = [m.read_bytes_per_s(R, b) for b in (1.39e6, 3.08e6, 16.8e6)]
+    assert rates == sorted(rates) and rates[0] < rates[-1] < THREEFS_PEAK_FRACTION * R
+
+
+def test_forms_are_named() -> None:
+    assert NOMINAL.form == "flat" and StorageReadModel(0.5).form == "flat"
+    assert StorageReadModel(per_block_overhead_s=1e-5).form == "per_block"
+
+
 @pytest.mark.parametrize("kwargs", [{"read_efficiency": 0.0}, {"read_efficiency": 1.2},
                                     {"read_efficiency": float("nan")},
-                                    {"per_block_overhead_s": -1e-6}])
-def test_bad_values_are_refused_by_name(kwargs: dict[str, float]) -> None:
+                                    {"per_block_overhead_s": -1e-6},
+                                    {"reads_in_flight": -1.0}, {"peak_fraction": 1.5},
+                                    {"stream_bytes_per_s": 0.0}])
+def test_bad_values_are_refused_by_name(kwargs: dict[str, Any]) -> None:
     with pytest.raises(DualPathError, match=next(iter(kwargs))):
         StorageReadModel(**kwargs)
+
+
+def test_queued_form_takes_no_flat_or_per_block_numbers() -> None:
+    with pytest.raises(DualPathError, match="reads_in_flight=8.0: the queued form"):
+        StorageReadModel(read_efficiency=0.5, reads_in_flight=8.0)
 
 
 def test_record_round_trip_and_derived_presets_keep_their_base(tmp_path: Path) -> None:
     path = tmp_path / "storage.json"
     path.write_text(json.dumps({"entries": []}))
     assert storage_read_model("h800-deepseek", path) is NOMINAL
-    write_storage_record("h800-deepseek", StorageReadModel(0.6, 0.0, "test fit"),
+    write_storage_record("h800-deepseek", StorageReadModel(0.6, source="test fit"),
                          {"form": "flat"}, path)
     m = storage_read_model("h800-deepseek", path)
     assert (m.read_efficiency, m.source) == (0.6, "test fit")
@@ -56,6 +85,12 @@ def test_record_round_trip_and_derived_presets_keep_their_base(tmp_path: Path) -
     assert storage_read_model("dgx-h100", path) is NOMINAL
     write_storage_record("h800-deepseek", StorageReadModel(0.7), {}, path)
     assert len(json.loads(path.read_text())["entries"]) == 1  # replaced, not appended
+    queued = StorageReadModel(reads_in_flight=31.34, source="queued fit")
+    write_storage_record("h800-deepseek", queued, {"form": "queued"}, path)
+    back = storage_read_model("h800-deepseek", path)
+    assert back.form == "queued" and back.reads_in_flight == 31.34
+    assert back.read_bytes_per_s(R, 3.08e6) == pytest.approx(
+        queued.read_bytes_per_s(R, 3.08e6), rel=1e-3)
 
 
 def test_malformed_record_names_the_file_and_entry(tmp_path: Path) -> None:

@@ -20,5 +20,6 @@ def test_storage_section_splits_fitted_from_predicted(tmp_path: Path) -> None:
     assert {r["role"] for r in rows} == {"predicted"}
     for r in rows:  # a slower storage read never shortens a run
         assert float(r["sim_jct_s"]) >= float(r["sim_jct_nominal_storage_s"]) * 0.999
-    assert "fitted RMS log" in sec.body and "per-block overhead" in sec.body
+    assert "fitted RMS log" in sec.body and "reads in flight" in sec.body
+    assert "queued form" in sec.body  # the 3FS-derived form beside the packaged flat one
     assert (tmp_path / "storage_residuals.png").exists()

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from dualpath.experiments.calibrate import CalibrationError
 from dualpath.experiments.paper import Fig7Point, fig7
 from dualpath.experiments.runner import Runner, RunSpec
 from dualpath.experiments.storage_fit import (
@@ -82,3 +83,19 @@ def test_both_forms_read_the_fitted_block_at_the_same_rate() -> None:
     assert model_of("per_block", 1.0).per_block_overhead_s == 0.0
     # Larger blocks (DS 660B's 3.08 MB) read faster only in the per-block form.
     assert per_block.read_bytes_per_s(r, 2.2 * s) > flat.read_bytes_per_s(r, 2.2 * s)
+
+
+def test_queued_form_fits_the_reads_in_flight_at_the_same_rate() -> None:
+    r, s = 50e9, fit_block_bytes()
+    flat, queued = model_of("flat", 0.54), model_of("queued", 0.54)
+    assert queued.form == "queued"
+    assert queued.read_bytes_per_s(r, s) == pytest.approx(flat.read_bytes_per_s(r, s))
+    # About 3FS#410's own 32 reads in flight reads DS 27B's 1.39 MB blocks at 0.54.
+    assert 28 < queued.reads_in_flight < 35
+    # Larger blocks read faster, less so than with a per-block overhead (a read's fixed
+    # latency is hidden by the others in flight; its bytes still move at one stream's rate).
+    big = queued.read_bytes_per_s(r, 12 * s)
+    assert flat.read_bytes_per_s(r, 12 * s) < big < model_of("per_block", 0.54).read_bytes_per_s(
+        r, 12 * s)
+    with pytest.raises(CalibrationError, match="at most 0.9"):
+        model_of("queued", 0.95)

@@ -99,14 +99,24 @@ def fit_block_bytes() -> float:
 
 def model_of(form: str, fraction: float, source: str = "") -> StorageReadModel:
     """The read model of `form` that reads the fitted setup's Full Blocks at `fraction` of
-    the line rate: `flat` has that efficiency; `per_block` the overhead S * (1/f - 1) / R."""
+    the line rate: `flat` has that efficiency; `per_block` the overhead S * (1/f - 1) / R;
+    `queued` the reads in flight C = f * R * (L + S / r) / S (3FS's L and r; below its cap)."""
     if form == "flat":
         return StorageReadModel(read_efficiency=fraction, source=source)
+    nominal = setup(FIT_SETUP).cluster().hardware.storage_nic_bytes_per_s
     if form == "per_block":
-        nominal = setup(FIT_SETUP).cluster().hardware.storage_nic_bytes_per_s
         return StorageReadModel(
             per_block_overhead_s=fit_block_bytes() * (1.0 / fraction - 1.0) / nominal,
             source=source)
+    if form == "queued":
+        queued = StorageReadModel(reads_in_flight=1.0)
+        if fraction >= queued.peak_fraction:
+            raise CalibrationError(
+                f"storage fraction {fraction:.3f}: the queued form reads at most "
+                f"{queued.peak_fraction:g} of the line rate")
+        s = fit_block_bytes()
+        return replace(queued, reads_in_flight=fraction * nominal * queued.read_time_s(s) / s,
+                       source=source)
     raise CalibrationError(f"storage form {form!r}: must be one of {', '.join(STORAGE_FORMS)}")
 
 

@@ -157,8 +157,7 @@ def _calibrate_storage(args: argparse.Namespace, ctx: Context) -> int:
     fits = calibrate_storage(ctx.runner, agent_divisor=8 if args.quick else 1)
     wall = time.perf_counter() - started
     for f in fits:
-        print(f"{f.form}: read efficiency {f.model.read_efficiency:.3f}, per-block overhead "
-              f"{f.model.per_block_overhead_s * 1e6:.1f} us, RMS log residual "
+        print(f"{f.model.describe()}; RMS log residual "
               f"{f.rms_log_before:.3f} (nominal) -> {f.rms_log_after:.3f}")
     for c in fits[0].cells:
         print(f"  {c.agents:>5} agents {c.mal}: paper {c.paper_s:,.0f} s, nominal "
