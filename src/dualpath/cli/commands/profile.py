@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--quick", action="store_true",
                    help="a small grid, 3 repeats (seconds on the tiny model)")
     o.add_argument("--repeats", type=int, metavar="N",
-                   help="timings per point, the median kept (default: 5; 3 with --quick)")
+                   help="timings per point after a warm-up, the median kept (default: 3)")
     o.add_argument("--max-context", type=int, default=1536, metavar="TOKENS",
                    help="largest cached+new prompt and decode context measured "
                    "(default: %(default)s, the default `dualpath run --max-len`)")
