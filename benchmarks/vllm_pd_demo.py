@@ -19,7 +19,10 @@ the read path forced per request:
 8. through `dualpath route` (three router processes on the same cluster, the `openai` client):
    a chat conversation's turn 2 in `basic` (PE path) and with `--force-read-side de` gives the
    same reply; two concurrent turn-2 requests in `dualpath` mode: the second, arriving while
-   the first's PE-side read is queued, takes the DE path (the shorter read queue).
+   the first's PE-side read is queued, takes the DE path (the shorter read queue);
+9. with `--failover`, issue 28's kill test on the same cluster (`vllm_pd_failover.py`): the
+   decode server, then the prefill server SIGKILLed under load behind the router and
+   restarted; every request not yet streaming gets the tokens of a run without the kill.
 
 Pass: every turn-2 reply equals the reference token for token (greedy), the cached-token counts
 and the connectors' event logs show where each block came from. Prints JSON; non-zero exit on a
@@ -55,6 +58,8 @@ from dualpath.integrations.vllm.cluster.launch import (
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest
 from dualpath.runtime.model.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
+from vllm_pd_failover import NUM_PROMPTS, failover_phase, shm_left
+from vllm_pd_failover import checks as failover_checks
 
 USER_1 = "Explain why reading a cached prefix from storage can be faster than recomputing it."
 USER_2 = "Now summarise that answer in two sentences."
@@ -196,6 +201,8 @@ def main() -> int:
                     "(an id may repeat: servers sharing a GPU)")
     ap.add_argument("--vllm-args", default="", help="more vLLM server arguments, one string "
                     "(e.g. '--block-size 16 --gpu-memory-utilization 0.3')")
+    ap.add_argument("--failover", action="store_true", help="then kill the decode and the "
+                    "prefill server under load, separately (step 9; about 2.5 minutes)")
     args = ap.parse_args()
     if args.model is None:
         from dualpath.runtime.model.weights import smollm2_folder
@@ -248,6 +255,14 @@ def main() -> int:
             n_pulls = sum(e["event"] == "pull" for e in cluster.prefill[0].events())
             routed = router_phase(cluster, spec.store, model)
             events = {i.name: i.events() for i in cluster.instances}
+            tag = cluster.instances[0].tag.split(".")[0] + "."
+            failover = None
+            if args.failover:
+                t = time.perf_counter()
+                failover = failover_phase(cluster, spec.store, model,
+                                          [[*p2, 100 + k] for k in range(NUM_PROMPTS)], router)
+                failover["wall_s"] = round(time.perf_counter() - t, 1)
+    shm = shm_left(tag)
     ref = runs["recompute"]["out"]
     pulls = [e for e in events["prefill0"] if e["event"] == "pull"]
     pushes = [e for e in events["prefill0"] if e["event"] == "push"]
@@ -281,13 +296,17 @@ def main() -> int:
             routed["stats_dual"]["requests_by_path"]["de"] >= 1
             and len(set(routed["replies_dual"])) == 1),
     }
+    if failover is not None:
+        checks.update(failover_checks(failover))
+        checks["no shared memory of the cluster left"] = not shm
     summary = {"hosts": args.hosts, "startup_s": startup_s, "block_size": bs,
                "turn1_prompt_tokens": len(p1),
                "turn2_prompt_tokens": len(p2), "hit_blocks": hit,
                "runs": {k: {x: v for x, v in r.items() if x != "out"} for k, r in runs.items()},
                "pulls": pulls, "pushes": pushes,
                "decode_events": [e for e in events["decode0"] if e["event"] != "save"][-8:],
-               "turn2_text": tok.decode(ref), "router": routed, "checks": checks}
+               "turn2_text": tok.decode(ref), "router": routed, "failover": failover,
+               "shm_left": shm, "checks": checks}
     print(json.dumps(summary, indent=1))
     return 0 if all(checks.values()) else 1
 

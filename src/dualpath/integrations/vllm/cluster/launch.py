@@ -245,6 +245,13 @@ class Instance:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def server_pid(self) -> int | None:
+        """The vLLM server's own pid (the reaper's child; None while there is none)."""
+        pid = self.process.pid
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+        return None
+
     def log_tail(self, n: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

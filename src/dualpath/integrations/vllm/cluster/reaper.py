@@ -127,13 +127,32 @@ def take_down(pgid: int, grace_s: float, exclude: int | None = None) -> list[int
             return []
         time.sleep(0.1)
     killed = left()
+    # The resource trackers last: once the processes they serve are gone, they unlink what
+    # those left (they ignore SIGTERM and exit by themselves).
+    trackers = [p for p in killed if _is_resource_tracker(p)]
     for pid in killed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        if pid not in trackers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10.0
-    while left() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        rest = left()
+        if not rest:
+            break
+        if set(rest) <= set(trackers) and time.monotonic() > deadline - 8.0:
+            for pid in rest:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
     return killed
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a Python multiprocessing resource tracker."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def describe_status(code: int) -> str:

@@ -1,0 +1,258 @@
+"""Issue 28's kill test with real vLLM servers: a decode, then (separately) a prefill vLLM
+server SIGKILLed under load behind `dualpath route`, with `VllmCluster.supervise` restarting
+it as `dualpath vllm up` does.
+
+`failover_phase(cluster, store, model, prompts)` runs on a started 1P1D (or larger) cluster:
+
+1. a router (`dualpath` mode, polls every 0.5 s, a queue timeout that covers a restart);
+2. the reference: each prompt alone through the router (greedy), token ids;
+3. per victim (decode0, then prefill0): one prompt streamed; once its first event is in, the
+   others sent at once and, 0.2 s later (at the prefill instance), the victim's vLLM API
+   server process SIGKILLed (the probe of the issue: the server alone, its engine and
+   workers left to the launcher); every request not yet streaming must succeed with the
+   reference's tokens (retried, they wait in the router while the only instance of its role
+   restarts); the stream, already going, may end with an error event;
+4. the victim back in service: reported by the supervisor, `/health` ok, one more request on
+   it with the reference's tokens; nothing of the killed server left (its process group
+   empty, its tagged shared memory gone).
+
+Standalone (its own 1P1D cluster): `.venv-vllm/bin/python benchmarks/vllm_pd_failover.py`;
+`vllm_pd_demo.py --failover` runs it on the demo's cluster (the P/D test does). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dualpath.integrations.vllm.cluster import reaper
+from dualpath.integrations.vllm.cluster.launch import (
+    HOST_MODES,
+    HOSTS_HELP,
+    Instance,
+    VllmCluster,
+    VllmClusterSpec,
+)
+
+MAX_TOKENS = 16
+NUM_PROMPTS = 4
+KILL_AFTER_S = 0.2
+"""From sending the requests to the kill: they are then at the prefill instance."""
+WAIT_S = 600.0
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float = WAIT_S) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _body(model: str, prompt: list[int], stream: bool = False) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "return_token_ids": True, "stream": stream}
+
+
+def complete(router: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """One request, not streamed: its status and token ids (or the error)."""
+    try:
+        reply = _post(router + "/v1/completions", _body(model, prompt))
+        return {"ok": True, "tokens": list(reply["choices"][0].get("token_ids") or []),
+                "text": reply["choices"][0]["text"]}
+    except urllib.error.HTTPError as e:
+        return {"ok": False, "error": f"HTTP {e.code}: {e.read()[:300]!r}"}
+    except OSError as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def stream(router: str, model: str, prompt: list[int], first: threading.Event
+           ) -> dict[str, Any]:
+    """One streamed request: its text, whether an event came before `first` was set by us
+    (then it was already streaming), and an error event if one came."""
+    req = urllib.request.Request(router + "/v1/completions",
+                                 json.dumps(_body(model, prompt, True)).encode(),
+                                 {"Content-Type": "application/json"})
+    text, error, was_streaming = "", None, False
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                    continue
+                if not first.is_set():
+                    was_streaming = True
+                    first.set()
+                text += event["choices"][0].get("text") or ""
+    except (urllib.error.HTTPError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"ok": error is None, "text": text, "error": error,
+            "was_streaming": was_streaming}
+
+
+def kill_under_load(cluster: VllmCluster, victim: Instance, router: str, model: str,
+                    prompts: list[list[int]], ref: list[dict[str, Any]],
+                    reports: list[str]) -> dict[str, Any]:
+    """The last prompt streamed; once its first event is in, the others sent at once and the
+    victim's API server SIGKILLed while they are at the prefill instance (or queued for it);
+    every result, and the restart."""
+    first = threading.Event()
+    old_group = victim.process.pid
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        streamed = pool.submit(stream, router, model, prompts[-1], first)
+        first.wait(WAIT_S)
+        calls: list[Future[dict[str, Any]]] = [
+            pool.submit(complete, router, model, p) for p in prompts[:-1]]
+        calls.append(streamed)
+        time.sleep(KILL_AFTER_S)
+        pid = victim.server_pid()
+        assert pid is not None, f"{victim.name}: no server process"
+        t_kill = time.perf_counter()
+        num_reports = len(reports)
+        os.kill(pid, signal.SIGKILL)
+        results = [c.result() for c in calls]
+    t_done = time.perf_counter()
+    deadline = time.monotonic() + WAIT_S
+    while not any(f"{victim.name} is back" in r for r in reports[num_reports:]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{victim.name} did not come back: {reports}")
+        time.sleep(0.5)
+    back_s = time.perf_counter() - t_kill
+    while _get(router + "/health")[1].get("status") != "ok":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router never saw the victim back")
+        time.sleep(0.2)
+    after = complete(router, model, prompts[0])
+    not_streaming = [i for i, r in enumerate(results)
+                     if i < len(prompts) - 1 or not r.get("was_streaming")]
+    same = [results[i]["ok"] and (
+        results[i].get("tokens") == ref[i]["tokens"] if i < len(prompts) - 1
+        else results[i]["text"] == ref[i]["text"]) for i in not_streaming]
+    return {
+        "victim": victim.name, "killed_pid": pid,
+        "requests_not_yet_streaming": len(not_streaming),
+        "failed_not_yet_streaming": sum(not results[i]["ok"] for i in not_streaming),
+        "identical_not_yet_streaming": sum(same),
+        "stream_was_streaming": bool(results[-1].get("was_streaming")),
+        "stream_error": results[-1].get("error"),
+        "errors": [r.get("error") for r in results if not r["ok"]],
+        "requests_done_s": round(t_done - t_kill, 1), "back_after_s": round(back_s, 1),
+        "after_restart_identical": after["ok"] and after["tokens"] == ref[0]["tokens"],
+        "old_group_left": reaper.group_members(old_group),
+        "reports": reports[num_reports:],
+    }
+
+
+def failover_phase(cluster: VllmCluster, store: Path, model: str,
+                   prompts: list[list[int]], router_cm: Any) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring; `router_cm(cluster, store, *flags)` starts a
+    `dualpath route` and yields its URL (the demo's `router`)."""
+    reports: list[str] = []
+    cluster.supervise(lambda line: (reports.append(line),
+                                    print(f"== supervisor: {line}", file=sys.stderr)),
+                      restart=True)
+    out: dict[str, Any] = {}
+    with router_cm(cluster, store, "--mode", "dualpath", "--poll-interval", "0.5",
+                   "--queue-timeout", str(int(WAIT_S))) as router:
+        ref = [complete(router, model, p) for p in prompts]
+        out["reference_ok"] = all(r["ok"] for r in ref)
+        for victim in (cluster.decode[0], cluster.prefill[0]):
+            t = time.perf_counter()
+            out[victim.name] = kill_under_load(cluster, victim, router, model, prompts, ref,
+                                               reports)
+            out[victim.name]["phase_s"] = round(time.perf_counter() - t, 1)
+            print(f"== killed {victim.name}: {json.dumps(out[victim.name])}", file=sys.stderr)
+        out["router_stats"] = {k: v for k, v in _get(router + "/stats")[1].items()
+                               if k in ("retries", "stream_errors", "finished", "aborted",
+                                        "queue_timeouts", "health")}
+    return out
+
+
+def checks(result: dict[str, Any]) -> dict[str, bool]:
+    """The kill test's pass conditions, one per line."""
+    out = {"failover: reference requests ok": bool(result.get("reference_ok"))}
+    for name in ("decode0", "prefill0"):
+        r = result.get(name) or {}
+        out[f"failover {name}: every request not yet streaming succeeded"] = (
+            r.get("failed_not_yet_streaming") == 0 and r.get("requests_not_yet_streaming", 0) > 0)
+        out[f"failover {name}: their tokens = a run without the kill"] = (
+            r.get("identical_not_yet_streaming") == r.get("requests_not_yet_streaming"))
+        out[f"failover {name}: back in service after its restart, same tokens"] = bool(
+            r.get("after_restart_identical"))
+        out[f"failover {name}: no process of the killed server left"] = (
+            r.get("old_group_left") == [])
+    return out
+
+
+def shm_left(cluster_tag: str) -> list[str]:
+    """`/dev/shm` entries named with the cluster's tag (`dp<launcher pid>.`)."""
+    return sorted(p.name for p in reaper.SHM.iterdir() if cluster_tag in p.name)
+
+
+def chat_prompt(model: str) -> list[int]:
+    """The demo's first-turn chat prompt, as token ids."""
+    from dualpath.runtime.model.tokenizer import Tokenizer
+    from vllm_connector_demo import SYSTEM
+    from vllm_pd_demo import USER_1
+
+    text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{USER_1}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    return list(Tokenizer.from_folder(model).encode(text))
+
+
+def main() -> int:
+    from vllm_pd_demo import router
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--model", help="an HF-style Llama folder (default: converted SmolLM2)")
+    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
+    args = ap.parse_args()
+    if args.model is None:
+        from dualpath.runtime.model.weights import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    with tempfile.TemporaryDirectory(prefix="dualpath-vllm-failover-") as tmp:
+        spec = VllmClusterSpec(model=args.model, store=Path(tmp) / "store",
+                               python=sys.executable, hosts=args.hosts,
+                               extra_args=("--served-model-name", "smollm2"))
+        t = time.perf_counter()
+        with VllmCluster(spec) as cluster:
+            startup_s = round(time.perf_counter() - t, 1)
+            tag = cluster.instances[0].tag.split(".")[0] + "."
+            base = chat_prompt(args.model)
+            prompts = [[*base, 100 + k] for k in range(NUM_PROMPTS)]
+            result = failover_phase(cluster, spec.store, "smollm2", prompts, router)
+    result["startup_s"] = startup_s
+    result["total_s"] = round(time.perf_counter() - t, 1)
+    result["shm_left"] = shm_left(tag)
+    result["checks"] = {**checks(result),
+                        "failover: no shared memory of the cluster left": not result["shm_left"]}
+    print(json.dumps(result, indent=1))
+    return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
