@@ -152,11 +152,18 @@ class Scheduler:
             moved, self._rr_group = de.de_global_drain_round_robin(
                 queue, range(self.num_de_groups), self._rr_group)
         else:
-            loads = [t + p for t, p in zip(group_tokens, self.private_tokens, strict=True)]
+            private = self.private_tokens
             if len(queue) == 1:
-                # A single arrival (the simulator's every call): the minimum, without a heap.
-                moved = (GroupAssignment(queue[0].request_id, de.de_least_loaded_group(loads)),)
+                # A single arrival (the simulator's every call): `de_least_loaded_group` over
+                # the loads (the minimum, ties to the lower index), without building them.
+                best, best_load = 0, group_tokens[0] + private[0]
+                for g in range(1, len(private)):
+                    load = group_tokens[g] + private[g]
+                    if load < best_load:
+                        best, best_load = g, load
+                moved = (GroupAssignment(queue[0].request_id, best),)
             else:
+                loads = [t + p for t, p in zip(group_tokens, private, strict=True)]
                 moved = de.de_global_drain(queue, dict(enumerate(loads)), self.params)
         charge = self.params.de_tok_charge
         for r, a in zip(queue, moved, strict=True):

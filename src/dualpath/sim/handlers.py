@@ -89,7 +89,9 @@ class Handlers:
         self.reqs: list[Req] = []
         self.waiting: dict[int, WaitingRequest] = {}
         """The scheduler's view of every request not yet finished, by request id."""
-        self._reports: dict[int, EngineReport] = {}
+        self._reports: list[EngineReport | None] = [None] * len(cluster.engines)
+        """Each engine's last fetch report, None once its counters changed (by engine id: a
+        list, not a dict, on the hot path)."""
         self.dgroup_tok = [0] * len(cluster.dgroups)
         """Sum of `tok` over each DE group's engines (DE phase 1 balances it)."""
         self.de_dirty: set[int] = set()
@@ -136,7 +138,7 @@ class Handlers:
         out: list[EngineReport] = []
         for idx in engine_ids:
             e = engines[idx]
-            old = cache.get(idx)
+            old = cache[idx]
             read_q = nodes[e.node].read_q_tokens
             if old is None or old.read_q_tokens != read_q:
                 old = EngineReport(idx, e.node, role, e.num_seqs, e.num_tokens, read_q,
@@ -147,7 +149,7 @@ class Handlers:
 
     def _touch(self, engine_id: int) -> None:
         """Drop the cached report of an engine whose counters just changed."""
-        self._reports.pop(engine_id, None)
+        self._reports[engine_id] = None
 
     def _dispatch_de(self) -> None:
         """Two-level DE scheduling: the global queue to groups, then a fetch by each group
