@@ -233,8 +233,8 @@ def prefill_ffn_time_s(
 ) -> float:
     """FFN / MoE time of one forward pass on one engine processing `num_tokens` new tokens
     (active experts only; expert-parallel latency as a per-MoE-layer overhead)."""
-    compute = num_tokens * model.ffn_flops_per_token / _linear_flops_per_s(hw, coeffs)
-    return compute + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
+    c = _constants(model, hw, coeffs)
+    return num_tokens * c.ffn_flops / c.linear_flops_per_s + c.moe_overhead_s
 
 
 def prefill_step_time_s(
@@ -338,7 +338,9 @@ class _Constants:
         self.per_index_key = 2.0 * model.dsa_index_heads * model.dsa_index_head_dim
         self.attn_flops_per_s = hw.gpu_bf16_flops_per_s * coeffs.attention_efficiency
         self.attn_linear_flops = model.attn_linear_flops_per_token
+        self.ffn_flops = model.ffn_flops_per_token
         self.token_linear_flops = model.attn_linear_flops_per_token + model.ffn_flops_per_token
+        self.moe_overhead_s = _num_moe_layers(model) * coeffs.moe_layer_overhead_s
         self.linear_flops_per_s = _linear_flops_per_s(hw, coeffs)
         self.is_moe = model.is_moe
         self.weight_bytes = float(model.weight_bytes)

@@ -271,12 +271,18 @@ class PEFetch:
         return len(self.assignments)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class GroupAssignment:
     """DE phase 1: a request moved from the global queue to a DE group's private queue."""
 
     request_id: int
     group_id: int
+
+    def __init__(self, request_id: int, group_id: int) -> None:
+        # Written, not `frozen=True`: one per arrival (a frozen dataclass's generated
+        # `__init__` runs as interpreted code even in the compiled build).
+        self.request_id = request_id
+        self.group_id = group_id
 
 
 @dataclass(slots=True, init=False, unsafe_hash=True)
