@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from dualpath.integrations.vllm.cluster.launch import (
     VllmCluster,
     VllmClusterSpec,
 )
+from dualpath.integrations.vllm.manifest import find_manifest
 
 MAX_TOKENS = 16
 NUM_PROMPTS = 4
@@ -52,9 +54,10 @@ KILL_AFTER_S = 0.2
 WAIT_S = 600.0
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float = WAIT_S) -> dict[str, Any]:
+def _post(url: str, body: dict[str, Any], timeout_s: float = WAIT_S,
+          headers: dict[str, str] | None = None) -> dict[str, Any]:
     req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         out: dict[str, Any] = json.loads(r.read())
     return out
@@ -73,12 +76,13 @@ def _body(model: str, prompt: list[int], stream: bool = False) -> dict[str, Any]
             "return_token_ids": True, "stream": stream}
 
 
-def complete(router: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    """One request, not streamed: its status and token ids (or the error)."""
+def complete(router: str, model: str, prompt: list[int],
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One request, not streamed: its status, token ids and usage (or the error)."""
     try:
-        reply = _post(router + "/v1/completions", _body(model, prompt))
+        reply = _post(router + "/v1/completions", _body(model, prompt), headers=headers)
         return {"ok": True, "tokens": list(reply["choices"][0].get("token_ids") or []),
-                "text": reply["choices"][0]["text"]}
+                "text": reply["choices"][0]["text"], "usage": reply.get("usage") or {}}
     except urllib.error.HTTPError as e:
         return {"ok": False, "error": f"HTTP {e.code}: {e.read()[:300]!r}"}
     except OSError as e:
@@ -111,6 +115,13 @@ def stream(router: str, model: str, prompt: list[int], first: threading.Event
         error = f"{type(e).__name__}: {e}"
     return {"ok": error is None, "text": text, "error": error,
             "was_streaming": was_streaming}
+
+
+def usage_of(reply: dict[str, Any]) -> dict[str, Any]:
+    """A reply's `cached_tokens` and its `dualpath` usage extension, flat."""
+    usage = reply.get("usage") or {}
+    return {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            **(usage.get("dualpath") or {})}
 
 
 def kill_under_load(cluster: VllmCluster, victim: Instance, router: str, model: str,
@@ -171,14 +182,21 @@ def failover_phase(cluster: VllmCluster, store: Path, model: str,
     """Steps 1-4 of the module docstring; `router_cm(cluster, store, *flags)` starts a
     `dualpath route` and yields its URL (the demo's `router`)."""
     reports: list[str] = []
+    out: dict[str, Any] = {"block_size": find_manifest(store).block_size}
     cluster.supervise(lambda line: (reports.append(line),
                                     print(f"== supervisor: {line}", file=sys.stderr)),
                       restart=True)
-    out: dict[str, Any] = {}
     with router_cm(cluster, store, "--mode", "dualpath", "--poll-interval", "0.5",
                    "--queue-timeout", str(int(WAIT_S))) as router:
         ref = [complete(router, model, p) for p in prompts]
         out["reference_ok"] = all(r["ok"] for r in ref)
+        out["reference_usage"] = [usage_of(r) for r in ref]
+        # One trace id per request, in both instances' logs (their connectors log the
+        # request ids vLLM builds from it).
+        trace = f"dptrace{uuid.uuid4().hex[:12]}"
+        complete(router, model, prompts[0], {"X-Request-Id": trace})
+        out["trace_in_logs"] = {i.name: trace in i.log_path.read_text(errors="replace")
+                                for i in cluster.instances}
         for victim in (cluster.decode[0], cluster.prefill[0]):
             t = time.perf_counter()
             out[victim.name] = kill_under_load(cluster, victim, router, model, prompts, ref,
@@ -194,6 +212,17 @@ def failover_phase(cluster: VllmCluster, store: Path, model: str,
 def checks(result: dict[str, Any]) -> dict[str, bool]:
     """The kill test's pass conditions, one per line."""
     out = {"failover: reference requests ok": bool(result.get("reference_ok"))}
+    usage = result.get("reference_usage") or []
+    out["usage: cached_tokens = the blocks the prefill connector loaded, none recomputed"] = (
+        bool(usage) and all(
+            u.get("cached_tokens") is not None and u.get("recomputed_blocks") == 0
+            and u["cached_tokens"] == (u["pe_blocks"] + u["de_blocks"]) * result["block_size"]
+            for u in usage) and any(u["cached_tokens"] > 0 for u in usage))
+    out["usage: read bytes per side and the path in every reply"] = bool(usage) and all(
+        u.get("path") in ("pe", "de", "split", "none") and set(
+            u.get("read_bytes_by_side") or {}) == {"pe", "de"} for u in usage)
+    out["trace id in both instances' logs"] = bool(result.get("trace_in_logs")) and all(
+        result["trace_in_logs"].values())
     for name in ("decode0", "prefill0"):
         r = result.get(name) or {}
         out[f"failover {name}: every request not yet streaming succeeded"] = (

@@ -264,3 +264,41 @@ class RouteParams:
                        tokens=int(raw.get("tokens", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError("kv_transfer_params", PARAMS_KEY, raw, f"malformed: {e}") from e
+
+
+LOADS_KEY = "loads"
+"""Where a prefill instance's reply puts its `LoadReport`, beside the `RouteParams` fields."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a prefill instance's connector actually loaded of a request's stored prefix (its
+    reply's `kv_transfer_params["dualpath"]["loads"]`), counted from the loads themselves: a
+    block whose load failed, and every later one of the request (vLLM recomputes from the
+    first failed block on), is recomputed, not loaded."""
+
+    pe_blocks: int
+    """Blocks read from the store by the prefill node (PE read path)."""
+    de_blocks: int
+    """Blocks read by the decode node and pulled from its staging buffer (DE read path)."""
+    recomputed_blocks: int
+    """Blocks planned to load that were computed instead."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> LoadReport | None:
+        """The report in a prefill reply's `kv_transfer_params`, or None when it has none."""
+        raw = (params or {}).get(PARAMS_KEY)
+        loads = raw.get(LOADS_KEY) if isinstance(raw, Mapping) else None
+        if not isinstance(loads, Mapping):
+            return None
+        try:
+            report = cls(int(loads["pe_blocks"]), int(loads["de_blocks"]),
+                         int(loads["recomputed_blocks"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError("kv_transfer_params", LOADS_KEY, loads, f"malformed: {e}") from e
+        if min(report.pe_blocks, report.de_blocks, report.recomputed_blocks) < 0:
+            raise SpecError("kv_transfer_params", LOADS_KEY, loads, "counts must be >= 0")
+        return report

@@ -10,7 +10,7 @@ from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
-from dualpath.integrations.vllm.manifest import RouteParams
+from dualpath.integrations.vllm.manifest import LoadReport, RouteParams
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)
@@ -46,7 +46,10 @@ def test_prefill_splits_the_hit_between_the_store_and_the_decode_side(tmp_path: 
     assert push.block_indices == (0, 3, 4) and push.block_ids == (10, 11, 12, 13, 14)
     assert push.hit_blocks == 3
     assert plan.saves == []  # the decode instance persists
-    assert p.finished_params("r") == route(3, 1, tokens=len(TOKENS)).to_params()
+    done = route(3, 1, tokens=len(TOKENS)).to_params()
+    done["dualpath"]["loads"] = {"pe_blocks": 1, "de_blocks": 2, "recomputed_blocks": 0}
+    assert p.finished_params("r") == done
+    assert RouteParams.from_params(done) == route(3, 1, tokens=len(TOKENS))
 
 
 def test_prefill_background_loads_are_planned_at_allocation(tmp_path: Path) -> None:
@@ -74,6 +77,32 @@ def test_prefill_background_loads_are_planned_at_allocation(tmp_path: Path) -> N
     q, _ = planner(tmp_path / "q", "decode", async_loads=True)
     q.add_request("r", TOKENS, route(hit=3, pe=1))
     assert not q.is_async("r")
+
+
+@pytest.mark.parametrize("async_loads", [False, True])
+@pytest.mark.parametrize(("failed", "report"), [
+    ((), (2, 2, 0)),  # every load in
+    ((13,), (2, 1, 1)),  # the last DE-side block failed
+    ((12, 13), (2, 0, 2)),  # both DE-side blocks
+    ((11,), (1, 0, 3)),  # a PE-side block: vLLM recomputes from there on, the DE side too
+    ((99,), (2, 2, 0)),  # another request's block
+])
+def test_the_load_report_counts_what_loaded_per_side(
+        tmp_path: Path, async_loads: bool, failed: tuple[int, ...],
+        report: tuple[int, int, int]) -> None:
+    p, _ = planner(tmp_path, "prefill", async_loads=async_loads)
+    p.add_request("r", TOKENS, route(hit=4, pe=2))
+    assert p.match("r", 0) == 4 * BS
+    blocks = [10, 11, 12, 13, 14]
+    p.after_alloc("r", 4 * BS, blocks)
+    p.schedule_new("r", blocks, 4 * BS, len(TOKENS) - 4 * BS)
+    p.take_plan()
+    p.load_errors(failed)  # vLLM's invalid_block_ids of that step
+    got = LoadReport.from_params(p.finished_params("r"))
+    assert got == LoadReport(*report)
+    assert p.load_report("r").to_dict() == dict(zip(
+        ("pe_blocks", "de_blocks", "recomputed_blocks"), report, strict=True))
+    assert LoadReport.from_params({}) is None
 
 
 def test_prefill_pushes_once_and_again_after_a_recompute(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ killed mid-stream leaves an incomplete chunked body, as a dying vLLM server does
 request received is appended to `--log` as a JSON line, and a held request logs "hold" before
 it waits, so the test knows when to kill.
 
-    python fake_instance.py --port P --log FILE [--hold prefill|decode|stream] [--side S]
+    python fake_instance.py --port P --log FILE [--hold prefill|decode|stream] [--recompute N]
 """
 
 from __future__ import annotations
@@ -81,13 +81,22 @@ class Handler(BaseHTTPRequestHandler):
         params = (body.get("kv_transfer_params") or {}).get("dualpath")
         if params is not None and body.get("max_tokens") == 1:  # the prefill step
             self._hold("prefill")
+            # What a connector reports it loaded: the plan, less the last `--recompute`
+            # blocks (a failed load recomputes from that block on).
+            hit, pe = params["hit_blocks"], params["pe_blocks"]
+            ok = max(hit - self.server.recompute, 0)
+            loads = {"pe_blocks": min(pe, ok), "de_blocks": max(ok - pe, 0),
+                     "recomputed_blocks": hit - ok}
             self._json(200, {"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
-                "dualpath": {**params, "tokens": len(prompt)}}})
+                "dualpath": {**params, "tokens": len(prompt), "loads": loads}}})
             return
         self._hold("decode")
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 2,
+                 "total_tokens": len(prompt) + 2,
+                 "prompt_tokens_details": {"cached_tokens": len(prompt) - 1}}
         if not body.get("stream"):
             self._json(200, {"id": "d", "choices": [{"text": reply_text(prompt)}],
-                             "seen": body})
+                             "usage": usage, "seen": body})
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -97,6 +106,8 @@ class Handler(BaseHTTPRequestHandler):
             if k == 1:
                 self._hold("stream")
             self._chunk(f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            self._chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n")
         self._chunk("data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
 
@@ -115,10 +126,11 @@ class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, port: int, log: str, hold: str | None) -> None:
+    def __init__(self, port: int, log: str, hold: str | None, recompute: int = 0) -> None:
         super().__init__(("127.0.0.1", port), Handler)
         self.log = log
         self.hold = hold
+        self.recompute = recompute
         self.lock = threading.Lock()
 
 
@@ -127,8 +139,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--log", required=True)
     ap.add_argument("--hold", choices=("prefill", "decode", "stream"))
+    ap.add_argument("--recompute", type=int, default=0, help="report the last N hit blocks "
+                    "recomputed, not loaded")
     args = ap.parse_args()
-    FakeServer(args.port, args.log, args.hold).serve_forever()
+    FakeServer(args.port, args.log, args.hold, args.recompute).serve_forever()
 
 
 if __name__ == "__main__":

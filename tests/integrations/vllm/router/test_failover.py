@@ -6,150 +6,15 @@ its first token, a stream that breaks after it, `/health`, the trace id."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
-import httpx2
 import pytest
+from fake_instance import reply_text, stream_words
+from fakes import PROMPT, Fake, complete, routed, side, stats, wait_until
 
-from dualpath.http.server import HttpServer, ServerConfig
-from dualpath.integrations.vllm.cluster.launch import free_port
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
-from dualpath.integrations.vllm.router.app import Router, RouterConfig, make_app
-from dualpath.integrations.vllm.router.policy import route_params
-
-FAKE = Path(__file__).with_name("fake_instance.py")
-sys.path.insert(0, str(FAKE.parent))
-from fake_instance import reply_text, stream_words  # noqa: E402
-
-BS = 4
-BLOCK_BYTES = 64
-WAIT_S = 10.0
-PROMPT = "abcdefghijklmnopq"
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout_s} s")
-        time.sleep(0.01)
-
-
-class Fake:
-    """One `fake_instance.py` process on a port of its own (kept across restarts)."""
-
-    def __init__(self, log: Path, hold: str | None = None) -> None:
-        self.port = free_port()
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start(hold)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, hold: str | None = None) -> None:
-        cmd = [sys.executable, str(FAKE), "--port", str(self.port), "--log", str(self.log)]
-        self.proc = subprocess.Popen(cmd + (["--hold", hold] if hold else []))
-        wait_until(self.answers)
-
-    def answers(self) -> bool:
-        try:
-            return httpx2.get(self.url + "/health", timeout=1.0).status_code == 200
-        except httpx2.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(x) for x in self.log.read_text().splitlines() if x]
-
-    def bodies(self, path: str) -> list[dict[str, Any]]:
-        return [r["body"] for r in self.records() if r.get("path") == path]
-
-    def is_holding(self) -> bool:
-        return any("hold" in r for r in self.records())
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill()
-
-
-@pytest.fixture()
-def store(tmp_path: Path) -> tuple[Path, StoreManifest]:
-    manifest = StoreManifest(namespace="ab" * 16, model="m", block_size=BS,
-                             full_block_bytes=BLOCK_BYTES)
-    root = tmp_path / "store"
-    manifest.write(root)
-    return root, manifest
-
-
-@pytest.fixture()
-def fakes(tmp_path: Path) -> Iterator[Callable[..., Fake]]:
-    made: list[Fake] = []
-
-    def make(hold: str | None = None) -> Fake:
-        made.append(Fake(tmp_path / f"fake{len(made)}.jsonl", hold))
-        return made[-1]
-
-    try:
-        yield make
-    finally:
-        for f in made:
-            f.close()
-
-
-def side(j: int) -> str:
-    return f"127.0.0.1:{5600 + j}"
-
-
-@contextmanager
-def routed(store: tuple[Path, StoreManifest], prefill: Sequence[Fake], decode: Sequence[Fake],
-           mode: str = "dualpath", **cfg: Any) -> Iterator[httpx2.Client]:
-    """A router over the fakes, served on loopback; yields a client of it."""
-    root, manifest = store
-    params, rr = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=1e9)
-    config = RouterConfig(prefill=tuple(f.url for f in prefill),
-                          decode=tuple(f.url for f in decode),
-                          sides=tuple(side(j) for j in range(len(decode))), store=root,
-                          manifest=manifest, params=params, mode=mode, is_round_robin=rr,
-                          **{"poll_interval_s": 0.05, **cfg})
-    server = HttpServer(make_app(Router(config)), "127.0.0.1", 0,
-                        ServerConfig(log_level="warning"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    wait_until(lambda: server.is_started)
-    with ExitStack() as stack:
-        stack.callback(server.server_close)
-        stack.callback(thread.join, WAIT_S)
-        stack.callback(server.stop)
-        client = stack.enter_context(httpx2.Client(base_url=server.url, timeout=WAIT_S))
-        wait_until(lambda: client.get("/health").json()["status"] == "ok")
-        yield client
-
-
-def complete(client: httpx2.Client, prompt: str = PROMPT, **headers: str) -> httpx2.Response:
-    return client.post("/v1/completions", json={"model": "m", "prompt": prompt,
-                                                 "max_tokens": 4}, headers=headers)
-
-
-def stats(client: httpx2.Client) -> dict[str, Any]:
-    out: dict[str, Any] = client.get("/stats").json()
-    return out
 
 
 def test_a_dead_decode_is_marked_down_excluded_and_rejoins(

@@ -68,9 +68,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.dualpath_connector")
+"""Under vLLM's "vllm" logger, so its handler and level (VLLM_LOGGING_LEVEL) apply: the
+connector's INFO lines (a request's hits, what a routed prefill loaded, with vLLM's request
+id, which carries the router's X-Request-Id) are in the instance's log."""
 
 PD_ROLES = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
 """vLLM's kv_role -> the connector's role in DualPath's P/D flow (`plan.Planner.role`)."""
@@ -400,6 +404,12 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_scheduled_tokens=scheduler_output.num_scheduled_tokens[req_id])
         return DualPathConnectorMetadata(plan=planner.take_plan())
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # The blocks whose load failed this step (vLLM recomputes them): the prefill's
+        # LoadReport counts them recomputed, not loaded. vLLM finishes no request in the
+        # step its load failed, so this comes before that request's `request_finished`.
+        self._sched().load_errors(connector_output.invalid_block_ids)
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Saves and pushes are synchronous within the step that fills a block: nothing is
@@ -407,5 +417,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # that tell the decode instance where its KV is.
         planner = self._sched()
         params = planner.finished_params(request.request_id)
+        if params is not None:  # a routed prefill: its request id carries the router's trace
+            logger.info("DualPathConnector: request %s loaded %s", request.request_id,
+                        planner.load_report(request.request_id))
         planner.finish(request.request_id)
         return False, params

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.core.blocks import KEY_BYTES, block_key, hit_blocks, max_hit_blocks
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.manifest import RouteParams
+from dualpath.integrations.vllm.manifest import LOADS_KEY, PARAMS_KEY, LoadReport, RouteParams
 
 ROLES = ("both", "prefill", "decode")
 
@@ -172,6 +172,10 @@ class _Request:
     pushed: bool = False
     load_issued: bool = False
     """Prefill: the router's hit was handed to a background load once."""
+    loads: dict[int, tuple[int, str]] = field(default_factory=dict)
+    """Prefill: vLLM block id -> (block index, read side "pe" / "de") of each planned load."""
+    first_failed: int | None = None
+    """Prefill: the first block index whose load failed (vLLM recomputes from there on)."""
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,41 @@ class Planner:
         if self.role != "prefill" or req is None or req.route is None or not req.pushed:
             return None
         r = req.route
-        return RouteParams(xfer=r.xfer, de=r.de, hit_blocks=r.hit_blocks, pe_blocks=r.pe_blocks,
-                           tokens=req.num_prompt_tokens).to_params()
+        params = RouteParams(xfer=r.xfer, de=r.de, hit_blocks=r.hit_blocks,
+                             pe_blocks=r.pe_blocks, tokens=req.num_prompt_tokens).to_params()
+        params[PARAMS_KEY][LOADS_KEY] = self.load_report(req_id).to_dict()
+        return params
+
+    def load_report(self, req_id: str) -> LoadReport:
+        """Prefill: what the request's loads gave, per read side (`load_errors` marks the
+        failed ones); a request that loaded nothing reports zeros."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return LoadReport(0, 0, 0)
+        cut = req.first_failed
+        ok = [side for index, side in req.loads.values() if cut is None or index < cut]
+        return LoadReport(ok.count("pe"), ok.count("de"), len(req.loads) - len(ok))
+
+    def load_errors(self, block_ids: Iterable[int]) -> None:
+        """vLLM's blocks whose load failed (`KVConnectorOutput.invalid_block_ids`): each
+        request that loads one recomputes from it on."""
+        failed = set(block_ids)
+        if not failed:
+            return
+        for req in self._requests.values():
+            hit = [index for bid, (index, _) in req.loads.items() if bid in failed]
+            if hit:
+                first = min(hit)
+                req.first_failed = first if req.first_failed is None else min(
+                    first, req.first_failed)
+
+    def _note(self, req: _Request, transfer: BlockTransfer, side: str) -> BlockTransfer:
+        """Record a planned load of `req` for its `LoadReport` (prefill with the router's
+        orders: which blocks, from which side); returns it."""
+        if self.role == "prefill" and req.route is not None:
+            for k, bid in enumerate(transfer.block_ids):
+                req.loads[bid] = (transfer.first_block + k, side)
+        return transfer
 
     def finish(self, req_id: str) -> None:
         """Forget a finished request (its blocks were saved in the steps that filled them)."""
@@ -303,10 +340,12 @@ class Planner:
         stop = first + m.num_hit_tokens // bs
         split = min(max(route.pe_blocks, first), stop)
         if split > first:
-            self._plan.async_loads.append(self._transfer(req_id, req, first, split))
+            self._plan.async_loads.append(self._note(req, self._transfer(req_id, req, first,
+                                                                         split), "pe"))
         if stop > split:
             self._plan.async_remote_loads.append(RemoteLoad(
-                route.xfer, route.de, self._transfer(req_id, req, split, stop)))
+                route.xfer, route.de, self._note(req, self._transfer(req_id, req, split, stop),
+                                                 "de")))
 
     # -- steps ------------------------------------------------------------------------------
     def schedule_new(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int,
@@ -350,11 +389,13 @@ class Planner:
                 if self.role == "prefill" and route is not None:
                     split = min(max(route.pe_blocks, first), stop)
                 if split > first:
-                    self._plan.loads.append(self._transfer(req_id, req, first, split))
+                    self._plan.loads.append(self._note(
+                        req, self._transfer(req_id, req, first, split), "pe"))
                 if stop > split:
                     assert route is not None
                     self._plan.remote_loads.append(RemoteLoad(
-                        route.xfer, route.de, self._transfer(req_id, req, split, stop)))
+                        route.xfer, route.de, self._note(
+                            req, self._transfer(req_id, req, split, stop), "de")))
         end = num_computed_tokens + num_scheduled_tokens
         if self.role == "prefill" and route is not None:
             # No saves (the decode instance persists); once the prompt is computed, push

@@ -67,7 +67,7 @@ from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
 from dualpath.http import exposition
 from dualpath.http.api_error import ApiError, add_error_handlers, bad_request, server_error
-from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.integrations.vllm.manifest import LoadReport, RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, Route, RoutePolicy
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
@@ -199,6 +199,50 @@ def _is_token_ids(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def usage_report(route: Route, report: LoadReport | None, block_size: int,
+                 full_block_bytes: int) -> tuple[int, dict[str, Any]]:
+    """A request's `cached_tokens` and its `dualpath` usage extension, from the prefill
+    connector's `LoadReport` (what actually loaded; None: it sent none, so nothing is known
+    to have loaded and the counts are null)."""
+    if report is None and route.plan.num_hit_blocks == 0:
+        report = LoadReport(0, 0, 0)
+    if report is None:
+        return 0, {"path": route.path, "pe_blocks": None, "de_blocks": None,
+                   "read_bytes_by_side": None, "recomputed_blocks": None}
+    return (report.pe_blocks + report.de_blocks) * block_size, {
+        "path": route.path, "pe_blocks": report.pe_blocks, "de_blocks": report.de_blocks,
+        "read_bytes_by_side": {"pe": report.pe_blocks * full_block_bytes,
+                               "de": report.de_blocks * full_block_bytes},
+        "recomputed_blocks": report.recomputed_blocks}
+
+
+def with_usage(reply: Any, cached_tokens: int, extension: dict[str, Any]) -> bool:
+    """Put `cached_tokens` (`usage.prompt_tokens_details`) and the `dualpath` extension in
+    a reply's (or a stream chunk's) usage, in place; False when it has none."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}),
+                                      "cached_tokens": cached_tokens}
+    usage["dualpath"] = extension
+    return True
+
+
+def _with_usage_event(event: bytes, cached_tokens: int, extension: dict[str, Any]) -> bytes:
+    """A stream event with the usage filled in as `with_usage` does (others unchanged)."""
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
+        return event
+    body = event[len(b"data: "):].rstrip(b"\r\n")
+    try:
+        chunk = json.loads(body)
+    except ValueError:
+        return event
+    if not with_usage(chunk, cached_tokens, extension):
+        return event
+    return b"data: " + json.dumps(chunk).encode() + event[len(b"data: ") + len(body):]
+
+
 def _is_broken(exc: httpx2.HTTPError) -> bool:
     """Whether a failed exchange says the instance is gone (refused, reset, dropped mid-reply,
     no connection in time), rather than slow."""
@@ -255,6 +299,8 @@ class Router:
         self.poll_errors: Counter[tuple[str, str]] = Counter()
         self.num_queue_timeouts = 0
         self.num_retries = 0
+        self.loaded_blocks: Counter[str] = Counter()
+        """Blocks the prefill connectors reported loaded, per read side, and "recomputed"."""
         self.num_stream_errors = 0
         """Streams that broke after their first event (ended with an error event)."""
         self.down: dict[tuple[Role, int], Down] = {}
@@ -572,11 +618,29 @@ class Router:
             kv = pre.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             kv = None
+        try:
+            report = LoadReport.from_params(kv) if isinstance(kv, dict) else None
+        except SpecError as e:
+            log.warning("request %s: prefill instance %s: %s", trace,
+                        self.cfg.prefill[route.prefill], e)
+            report = None
+        if report is not None:
+            self.loaded_blocks.update(pe=report.pe_blocks, de=report.de_blocks,
+                                      recomputed=report.recomputed_blocks)
+        m = self.cfg.manifest
+        cached, extension = usage_report(route, report, m.block_size, m.full_block_bytes)
         url = self.cfg.decode[route.decode] + path
         out = decode_body(body, kv)
         if not is_stream:
             resp = await self._post_or_retry(Role.DECODE, route.decode, url, out, headers)
-            return Response(resp.content, status_code=resp.status_code,
+            content = resp.content
+            try:
+                reply = json.loads(content)
+            except ValueError:
+                reply = None
+            if with_usage(reply, cached, extension):
+                content = json.dumps(reply).encode()
+            return Response(content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type",
                                                         "application/json")), False
         stream = await self._open_stream(route.decode, url, out, headers)
@@ -592,7 +656,9 @@ class Router:
         except BaseException:
             await stream.aclose()
             raise
-        return StreamingResponse(self._relay(rid, route.decode, url, stream, first, events),
+        usage = (cached, extension)
+        return StreamingResponse(self._relay(rid, route.decode, url, stream, first, events,
+                                             usage),
                                  media_type=stream.headers.get("content-type",
                                                                "text/event-stream")), True
 
@@ -618,15 +684,17 @@ class Router:
         return resp
 
     async def _relay(self, rid: int, index: int, url: str, resp: httpx2.Response,
-                     first: bytes, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The decode instance's events to the client, whole; a stream that breaks ends with
-        an error event and `[DONE]` (an event cut short is dropped, never half sent)."""
+                     first: bytes, events: AsyncIterator[bytes],
+                     usage: tuple[int, dict[str, Any]]) -> AsyncIterator[bytes]:
+        """The decode instance's events to the client, whole, their usage (when the client
+        asked for it) filled in; a stream that breaks ends with an error event and `[DONE]`
+        (an event cut short is dropped, never half sent)."""
         is_ok = False
         try:
             if first:
-                yield first
+                yield _with_usage_event(first, *usage)
             async for event in events:
-                yield event
+                yield _with_usage_event(event, *usage)
             is_ok = True
         except httpx2.HTTPError as e:
             self.num_stream_errors += 1
@@ -661,6 +729,8 @@ class Router:
                 inst["down_reason"] = None if down is None else down.reason
         for inst, side in zip(snap["decode"], self.cfg.sides, strict=True):
             inst["side_channel"] = side
+        snap["loaded_blocks_by_side"] = {s: self.loaded_blocks[s] for s in ("pe", "de")}
+        snap["recomputed_blocks"] = self.loaded_blocks["recomputed"]
         snap.update(mode=self.cfg.mode, model=self.cfg.model_name, health=self.health()[0],
                     retries=self.num_retries, stream_errors=self.num_stream_errors,
                     queue_timeouts=self.num_queue_timeouts,
@@ -699,6 +769,12 @@ class _RouterCollector(Collector):
                   [((k,), n) for k, n in s["hit_blocks_by_side"].items()])
         yield one(CounterMetricFamily, "hit_bytes", "Stored KV bytes assigned to each read "
                   "side.", ["side"], [((k,), n) for k, n in s["hit_bytes_by_side"].items()])
+        yield one(CounterMetricFamily, "loaded_blocks", "Stored KV blocks the prefill "
+                  "instances' connectors reported loaded, per read side.", ["side"],
+                  [((k,), n) for k, n in s["loaded_blocks_by_side"].items()])
+        yield one(CounterMetricFamily, "recomputed_blocks", "Stored KV blocks planned to "
+                  "load that were recomputed (a load failed).", [],
+                  [((), s["recomputed_blocks"])])
         yield one(CounterMetricFamily, "finished_requests", "Requests answered.", [],
                   [((), s["finished"])])
         yield one(CounterMetricFamily, "aborted_requests", "Requests ended by an error, a "
