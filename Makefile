@@ -94,8 +94,9 @@ vllm-demo: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_connector_demo.py
 
 # The tests that need vllm (skipped in .venv): one instance (the PE read path, persistence,
-# a corrupt block) and P/D servers with the router (both read paths over NIXL); the P/D
-# demo's router runs in .venv, hence $(STAMP). About 3 minutes on 2 cores.
+# a corrupt block) and P/D servers with the router (both read paths over NIXL, then issue
+# 28's kill test: the decode and the prefill server SIGKILLed under load and restarted); the
+# P/D demo's router runs in .venv, hence $(STAMP). About 4 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/test_pd_servers.py
 
