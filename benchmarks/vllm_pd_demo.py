@@ -217,6 +217,7 @@ def main() -> int:
                            hosts=args.hosts, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                            tensor_parallel_size=args.tensor_parallel_size,
                            gpus=tuple(g for g in (args.gpus or "").split(",") if g),
+                           kv_events=args.failover,
                            extra_args=("--enable-prompt-tokens-details",
                                        "--served-model-name", "smollm2",
                                        *args.vllm_args.split()))

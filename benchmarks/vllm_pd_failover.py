@@ -16,6 +16,13 @@ it as `dualpath vllm up` does.
    it with the reference's tokens; nothing of the killed server left (its process group
    empty, its tagged shared memory gone).
 
+Before the kills, what the replies and vLLM's own telemetry say (issue 28, deliver 2-3):
+each reference reply's `usage.prompt_tokens_details.cached_tokens` equals the blocks its
+prefill loaded (the `dualpath` extension), a request's `X-Request-Id` is in both instances'
+logs, the decode instance's KV events (a ZMQ subscriber) carry `BlockStored` with
+`medium="STORAGE"`, and the instances' `/metrics` show `vllm:dualpath_loaded_blocks_total`
+and `vllm:dualpath_saved_blocks_total` (the cluster started with `kv_events`).
+
 Standalone (its own 1P1D cluster): `.venv-vllm/bin/python benchmarks/vllm_pd_failover.py`;
 `vllm_pd_demo.py --failover` runs it on the demo's cluster (the P/D test does). Prints JSON.
 """
@@ -117,6 +124,56 @@ def stream(router: str, model: str, prompt: list[int], first: threading.Event
             "was_streaming": was_streaming}
 
 
+class EventTap:
+    """vLLM's KV events of one instance: a ZMQ subscriber in a thread (the instance was
+    started with `VllmClusterSpec.kv_events`)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.connect(endpoint)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    parts = self._sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                self.events.extend(decoder.decode(parts[-1]).events)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stored(self, medium: str = "STORAGE") -> int:
+        """Blocks announced stored on `medium` so far."""
+        return sum(len(e.block_hashes) for e in list(self.events)
+                   if type(e).__name__ == "BlockStored" and e.medium == medium)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on an instance's `/metrics` whose labels include
+    `labels` (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def usage_of(reply: dict[str, Any]) -> dict[str, Any]:
     """A reply's `cached_tokens` and its `dualpath` usage extension, flat."""
     usage = reply.get("usage") or {}
@@ -186,6 +243,7 @@ def failover_phase(cluster: VllmCluster, store: Path, model: str,
     cluster.supervise(lambda line: (reports.append(line),
                                     print(f"== supervisor: {line}", file=sys.stderr)),
                       restart=True)
+    taps = {i.name: EventTap(i.kv_events) for i in cluster.instances if i.kv_events}
     with router_cm(cluster, store, "--mode", "dualpath", "--poll-interval", "0.5",
                    "--queue-timeout", str(int(WAIT_S))) as router:
         ref = [complete(router, model, p) for p in prompts]
@@ -197,6 +255,19 @@ def failover_phase(cluster: VllmCluster, store: Path, model: str,
         complete(router, model, prompts[0], {"X-Request-Id": trace})
         out["trace_in_logs"] = {i.name: trace in i.log_path.read_text(errors="replace")
                                 for i in cluster.instances}
+        # vLLM's own telemetry: the connector's metrics on each instance's /metrics, its
+        # STORAGE events through vLLM's KV event publisher (the decode instance persists).
+        p, d = cluster.prefill[0], cluster.decode[0]
+        deadline = time.monotonic() + 30
+        while taps and not taps[d.name].stored() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["telemetry"] = {
+            "storage_blocks_stored_events": {n: t.stored() for n, t in taps.items()},
+            "prefill_loaded_blocks_pe": metric_sum(p.url, "vllm:dualpath_loaded_blocks_total",
+                                                   read_path="pe"),
+            "decode_saved_blocks": metric_sum(d.url, "vllm:dualpath_saved_blocks_total"),
+            "prefill_read_queue_gauge": metric_sum(p.url, "vllm:dualpath_read_queue_blocks"),
+        }
         for victim in (cluster.decode[0], cluster.prefill[0]):
             t = time.perf_counter()
             out[victim.name] = kill_under_load(cluster, victim, router, model, prompts, ref,
@@ -206,6 +277,8 @@ def failover_phase(cluster: VllmCluster, store: Path, model: str,
         out["router_stats"] = {k: v for k, v in _get(router + "/stats")[1].items()
                                if k in ("retries", "stream_errors", "finished", "aborted",
                                         "queue_timeouts", "health")}
+    for tap in taps.values():
+        tap.close()
     return out
 
 
@@ -223,6 +296,12 @@ def checks(result: dict[str, Any]) -> dict[str, bool]:
             u.get("read_bytes_by_side") or {}) == {"pe", "de"} for u in usage)
     out["trace id in both instances' logs"] = bool(result.get("trace_in_logs")) and all(
         result["trace_in_logs"].values())
+    telemetry = result.get("telemetry") or {}
+    if telemetry.get("storage_blocks_stored_events"):
+        out["KV events: BlockStored medium=STORAGE from the decode instance (ZMQ)"] = (
+            telemetry["storage_blocks_stored_events"].get("decode0", 0) > 0)
+        out["metrics: vllm:dualpath_loaded_blocks_total (pe) and saved_blocks_total"] = (
+            telemetry["prefill_loaded_blocks_pe"] > 0 and telemetry["decode_saved_blocks"] > 0)
     for name in ("decode0", "prefill0"):
         r = result.get(name) or {}
         out[f"failover {name}: every request not yet streaming succeeded"] = (
@@ -265,7 +344,7 @@ def main() -> int:
         args.model = str(smollm2_folder())
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-failover-") as tmp:
         spec = VllmClusterSpec(model=args.model, store=Path(tmp) / "store",
-                               python=sys.executable, hosts=args.hosts,
+                               python=sys.executable, hosts=args.hosts, kv_events=True,
                                extra_args=("--served-model-name", "smollm2"))
         t = time.perf_counter()
         with VllmCluster(spec) as cluster:

@@ -1,6 +1,7 @@
 """DualPath inside vLLM: a KV connector, a router and a launcher for P/D vLLM servers.
 
-Rooms (each a subpackage; only `connector.dualpath_connector` imports vllm):
+Rooms (each a subpackage; only `connector.dualpath_connector` and `connector.vllm_metrics`
+import vllm):
 
 - `connector/`  the KV connector that runs inside each vLLM instance: `plan` (scheduler side,
                 pure), `kvio` (worker side: paged KV <-> Full Blocks <-> `BlockStore`),

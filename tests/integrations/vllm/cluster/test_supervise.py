@@ -243,3 +243,19 @@ def test_vllm_up_reports_and_restarts_a_dead_server_and_stops_clean(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_kv_events_get_a_port_per_instance(stand_in: Path) -> None:
+    spec_ = VllmClusterSpec(model=str(stand_in), store=stand_in / "store",
+                            python=sys.executable, startup_timeout_s=60, stop_grace_s=1.0,
+                            kv_events=True)
+    with VllmCluster(spec_) as cluster:
+        ports = set()
+        for inst in cluster.instances:
+            assert inst.kv_events is not None and inst.kv_events.startswith("tcp://127.0.0.1:")
+            port = inst.kv_events.rsplit(":", 1)[1]
+            config = json.loads(inst.command[inst.command.index("--kv-events-config") + 1])
+            assert config == {"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{port}"}
+            ports.add(port)
+        assert len(ports) == 2

@@ -108,6 +108,9 @@ class VllmClusterSpec:
     startup_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
     """From SIGTERM to SIGKILL when a server's process group is taken down."""
+    kv_events: bool = False
+    """Each instance publishes vLLM's KV events over ZMQ (`--kv-events-config`, on a port of
+    its own: `Instance.kv_events`), the connector's `medium="STORAGE"` ones included."""
     chat_template: Path | None = None
     """A Jinja file; default: ChatML when the model folder has no template."""
     storage_read_gbps: float | None = None
@@ -240,6 +243,8 @@ class Instance:
     """`time.monotonic()` of its last (re)start."""
     is_gone: bool = False
     """Died and not restarted (`supervise(restart=False)`)."""
+    kv_events: str | None = None
+    """Where its KV events are published (`tcp://host:port`; `VllmClusterSpec.kv_events`)."""
 
     @property
     def url(self) -> str:
@@ -372,6 +377,13 @@ class VllmCluster:
                 log = log_path.open("wb")
                 cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events),
                                      template, address)
+                kv_events = None
+                if spec.kv_events:
+                    events_port = free_port()
+                    kv_events = f"tcp://{address}:{events_port}"
+                    cmd += ["--kv-events-config", json.dumps({
+                        "enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": f"tcp://*:{events_port}"})]
                 if host is not None:
                     cmd = host.command(cmd)
                 tag = f"dp{os.getpid()}.{name}"
@@ -381,7 +393,7 @@ class VllmCluster:
                     name, role, port, side, self._popen(command, inst_env, log), log_path,
                     events, log, address, host.netns if host is not None else None,
                     bind.get("VLLM_CPU_OMP_THREADS_BIND", ""), tag, command, inst_env,
-                    started_at=time.monotonic()))
+                    started_at=time.monotonic(), kv_events=kv_events))
             for inst in self.instances:
                 self._wait_healthy(inst)
         except BaseException:

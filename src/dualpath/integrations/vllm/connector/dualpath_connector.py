@@ -30,22 +30,31 @@ This module imports vllm; `plan` and `kvio` hold the logic and import without it
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.kvio import KVWorker, WorkerCounters
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
     StepPlan,
@@ -57,6 +66,11 @@ from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
 from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
     staging_slots,
+)
+from dualpath.integrations.vllm.connector.vllm_metrics import (
+    DualPathPromMetrics,
+    DualPathStats,
+    storage_events,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 from dualpath.transport.pacing import Pacer
@@ -186,6 +200,13 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side_pool: RemotePool | None = None
         self._loader: AsyncLoader | None = None
         self._plan = StepPlan()
+        self._stats = DualPathStats()
+        """This side's counts since vLLM last took them (`get_kv_connector_stats`)."""
+        self._counted = WorkerCounters()
+        """Worker: its counters when last taken."""
+        self._requests: dict[str, Request] = {}
+        """Scheduler: live requests (their vLLM block hashes and tokens, for KV events)."""
+        self._events: list[KVCacheEvent] = []
         """The step's plan (worker side, from `bind_connector_metadata`)."""
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
         self._storage_read_gbps = float(gbps) if gbps else None
@@ -349,6 +370,33 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Background loads done (their failed blocks are reported no later than this pass).
         return None, self._loader.take_finished() if self._loader is not None else None
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counts since the last call (`vllm_metrics.DualPathStats`): the
+        scheduler's what the loads gave, a worker's its saves, errors and read queues."""
+        if self._worker is not None:
+            now = self._worker.counters
+            last, self._counted = self._counted, replace(now)
+            self._stats.add(saved_blocks=now.saved_blocks - last.saved_blocks,
+                            failed_saves=now.failed_saves - last.failed_saves,
+                            remote_errors=now.remote_errors - last.remote_errors)
+            if self._loader is not None:
+                self._stats.set_queue(self._loader.queued_blocks())
+        return None if self._stats.is_empty() else self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return DualPathStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return DualPathPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._worker.take_load_errors() if self._worker is not None else set()
         if self._loader is not None:
@@ -369,6 +417,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             route = None
         self._sched().add_request(request.request_id, request.all_token_ids, route,
                                   num_prompt_tokens=request.num_prompt_tokens)
+        self._requests[request.request_id] = request
 
     def on_new_request(self, request: Request) -> None:
         self._add(request)
@@ -402,13 +451,44 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 is_resumed=req_id in cached.resumed_req_ids,
                 num_computed_tokens=cached.num_computed_tokens[i],
                 num_scheduled_tokens=scheduler_output.num_scheduled_tokens[req_id])
-        return DualPathConnectorMetadata(plan=planner.take_plan())
+        plan = planner.take_plan()
+        self._events += storage_events(
+            (self._block_run(s.req_id, s.first_block, len(s.block_ids)) for s in plan.saves),
+            (), self._layout.block_size)
+        return DualPathConnectorMetadata(plan=plan)
+
+    def _block_run(self, req_id: str, first: int, num: int) -> tuple[list[Any], Any, list[int]]:
+        """vLLM's block hashes of blocks `[first, first + num)` of a request, the hash before
+        them and their token ids (nothing when vLLM computed no hashes for them)."""
+        request = self._requests.get(req_id)
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        if request is None or len(hashes) < first + num:
+            return [], None, []
+        bs = self._layout.block_size
+        return ([maybe_convert_block_hash(h) for h in hashes[first:first + num]],
+                maybe_convert_block_hash(hashes[first - 1]) if first else None,
+                list(request.all_token_ids[first * bs:(first + num) * bs]))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The blocks persisted by the steps planned since the last call (`BlockStored`) and
+        those whose load failed (`BlockRemoved`), `medium="STORAGE"`."""
+        events, self._events = self._events, []
+        return events
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # The blocks whose load failed this step (vLLM recomputes them): the prefill's
         # LoadReport counts them recomputed, not loaded. vLLM finishes no request in the
         # step its load failed, so this comes before that request's `request_finished`.
-        self._sched().load_errors(connector_output.invalid_block_ids)
+        failed = self._sched().load_errors(connector_output.invalid_block_ids)
+        if connector_output.invalid_block_ids:
+            self._stats.add(load_errors=len(connector_output.invalid_block_ids))
+        # A block the store failed to give (PE side: missing or corrupt, which the store
+        # removes) is no longer in storage for a router until it is written again; a DE-side
+        # failure may be the transfer's, and says nothing about the store.
+        removed = [run[0][0] for run in (self._block_run(req_id, index, 1)
+                                         for req_id, index, side in failed if side == "pe")
+                   if run[0]]
+        self._events += storage_events((), removed, self._layout.block_size)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -417,8 +497,14 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # that tell the decode instance where its KV is.
         planner = self._sched()
         params = planner.finished_params(request.request_id)
+        report = planner.load_report(request.request_id)
         if params is not None:  # a routed prefill: its request id carries the router's trace
-            logger.info("DualPathConnector: request %s loaded %s", request.request_id,
-                        planner.load_report(request.request_id))
+            logger.info("DualPathConnector: request %s loaded %s", request.request_id, report)
+        full = self._store.full_block_bytes
+        self._stats.add(loaded_blocks_pe=report.pe_blocks, loaded_blocks_de=report.de_blocks,
+                        loaded_bytes_pe=report.pe_blocks * full,
+                        loaded_bytes_de=report.de_blocks * full,
+                        recomputed_blocks=report.recomputed_blocks)
         planner.finish(request.request_id)
+        self._requests.pop(request.request_id, None)
         return False, params

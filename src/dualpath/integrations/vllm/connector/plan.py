@@ -248,23 +248,28 @@ class Planner:
         ok = [side for index, side in req.loads.values() if cut is None or index < cut]
         return LoadReport(ok.count("pe"), ok.count("de"), len(req.loads) - len(ok))
 
-    def load_errors(self, block_ids: Iterable[int]) -> None:
+    def load_errors(self, block_ids: Iterable[int]) -> list[tuple[str, int, str]]:
         """vLLM's blocks whose load failed (`KVConnectorOutput.invalid_block_ids`): each
-        request that loads one recomputes from it on."""
+        request that loads one recomputes from it on. Returns (request, block index, read
+        side) of each failed block found."""
         failed = set(block_ids)
+        found: list[tuple[str, int, str]] = []
         if not failed:
-            return
-        for req in self._requests.values():
-            hit = [index for bid, (index, _) in req.loads.items() if bid in failed]
+            return found
+        for req_id, req in self._requests.items():
+            hit = [(index, side) for bid, (index, side) in req.loads.items() if bid in failed]
             if hit:
-                first = min(hit)
+                found += [(req_id, index, side) for index, side in hit]
+                first = min(index for index, _ in hit)
                 req.first_failed = first if req.first_failed is None else min(
                     first, req.first_failed)
+        return found
 
     def _note(self, req: _Request, transfer: BlockTransfer, side: str) -> BlockTransfer:
-        """Record a planned load of `req` for its `LoadReport` (prefill with the router's
-        orders: which blocks, from which side); returns it."""
-        if self.role == "prefill" and req.route is not None:
+        """Record a planned load of `req` for its `LoadReport` (which blocks, from which
+        side; on a prefill or single instance, whose loads come from the store); returns
+        it."""
+        if self.role != "decode":
             for k, bid in enumerate(transfer.block_ids):
                 req.loads[bid] = (transfer.first_block + k, side)
         return transfer

@@ -398,6 +398,8 @@ class AsyncLoader:
         self._outstanding: dict[str, int] = {}
         self._finished: set[str] = set()
         self._errors: set[int] = set()
+        self._queued = {"pe": 0, "de": 0}
+        """Blocks submitted and not yet done, per read path (the read queues' depth)."""
 
     def submit(self, plan: StepPlan) -> None:
         jobs: dict[str, list[BlockTransfer | RemoteLoad]] = defaultdict(list)
@@ -408,6 +410,8 @@ class AsyncLoader:
         with self._lock:
             for req_id, parts in jobs.items():
                 self._outstanding[req_id] = self._outstanding.get(req_id, 0) + len(parts)
+                for part in parts:
+                    self._queued[_side(part)] += _num_blocks(part)
         for req_id, parts in jobs.items():
             for part in parts:
                 self._pool(part.de if isinstance(part, RemoteLoad) else "").submit(
@@ -434,6 +438,7 @@ class AsyncLoader:
         if ok < len(t.block_ids):
             self.prefill.note_failure(req_id, t.first_block + ok)
         with self._lock:
+            self._queued[_side(part)] -= len(t.block_ids)
             if ok < len(t.block_ids):
                 self._errors.add(t.block_ids[ok])
                 self.kv.count(load_errors=1)
@@ -447,6 +452,11 @@ class AsyncLoader:
             done, self._finished = self._finished, set()
         return done
 
+    def queued_blocks(self) -> dict[str, int]:
+        """Blocks of background loads not yet done, per read path ("pe", "de")."""
+        with self._lock:
+            return dict(self._queued)
+
     def take_errors(self) -> set[int]:
         with self._lock:
             errors, self._errors = self._errors, set()
@@ -457,6 +467,14 @@ class AsyncLoader:
             pools = list(self._pools.values())
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _side(part: BlockTransfer | RemoteLoad) -> str:
+    return "de" if isinstance(part, RemoteLoad) else "pe"
+
+
+def _num_blocks(part: BlockTransfer | RemoteLoad) -> int:
+    return len(part.blocks.block_ids if isinstance(part, RemoteLoad) else part.block_ids)
 
 
 class Slots(Protocol):
