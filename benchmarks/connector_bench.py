@@ -167,8 +167,8 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
     """The DE read path in one process: a staging service (side channel, slots, NIXL target)
     and the prefill side's `PrefillRemote` over `kv`."""
     from dualpath.integrations.vllm.connector.remote import PrefillRemote
-    from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
     from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+    from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
     from dualpath.transport.nixl import NixlAgent, agent_name
     from dualpath.transport.slots import SlotPool
 
@@ -209,8 +209,8 @@ def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
     `num_blocks` staged blocks x 64 layers of 512 B pages (so the descriptors' cost, not the
     bytes', dominates), the stage itself done before the clock starts; median of `repeats`."""
     from dualpath.integrations.vllm.connector.remote import PrefillRemote
-    from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
     from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+    from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
     from dualpath.transport.nixl import NixlAgent, agent_name
     from dualpath.transport.slots import SlotPool
 

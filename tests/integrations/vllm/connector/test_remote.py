@@ -35,9 +35,9 @@ from dualpath.integrations.vllm.connector.plan import (
 from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
-from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
 from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool

@@ -27,8 +27,8 @@ from dualpath.integrations.vllm.connector.plan import (
     XferLoad,
 )
 from dualpath.integrations.vllm.connector.remote import DecodeRemote, PrefillRemote
-from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.slots import SlotPool

@@ -45,12 +45,12 @@ from dualpath.integrations.vllm.connector.kvio import (
 )
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
-from dualpath.integrations.vllm.connector.side_channel.messages import (
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.wire import (
     SideChannelError,
     Stage,
     Staged,
 )
-from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.transport.nixl import NixlAgent, Pending, Prepped, agent_name
 from dualpath.transport.transfer_error import TransferError
 

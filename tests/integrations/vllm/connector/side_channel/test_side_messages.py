@@ -9,7 +9,9 @@ import pytest
 
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
-from dualpath.integrations.vllm.connector.side_channel.messages import (
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.side_channel.wire import (
     PROTOCOL_VERSION,
     REPLY_OF,
     Alloc,
@@ -29,8 +31,6 @@ from dualpath.integrations.vllm.connector.side_channel.messages import (
     encode,
     expect,
 )
-from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
-from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.transport.slots import SlotPool
 
 MESSAGES = [

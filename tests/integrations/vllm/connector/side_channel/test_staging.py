@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from dualpath.integrations.vllm.connector.side_channel.messages import SideChannelError
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
 from dualpath.transport.nixl import WAIT_TIMEOUT_S
 from dualpath.transport.slots import SlotPool
 from dualpath.transport.transfer_error import BufferFullError

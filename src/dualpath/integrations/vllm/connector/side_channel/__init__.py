@@ -14,10 +14,10 @@ decode instance loads into its paged KV when the request arrives for decoding:
 
 Files, one concept each:
 
-- `messages.py`  the typed requests and replies and their wire format (one JSON object per
+- `wire.py`      the typed requests and replies and their wire format (one JSON object per
                  line, tagged with the message type and the protocol version).
 - `staging.py`   `StagingPool`: the transport's slot pool, held per transfer.
-- `server.py`    `DecodeSideChannel`: the staging service's TCP server.
+- `tcp_server.py` `DecodeSideChannel`: the staging service's TCP server.
 - `client.py`    `SideChannelClient` (a prefill or decode worker's connection) and
                  `RemotePool` (the decode worker's view of the service's buffer).
 - `cpus.py`      which cores the staging service runs on.

@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import torch
 
-from dualpath.integrations.vllm.connector.side_channel.messages import (
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import split_address
+from dualpath.integrations.vllm.connector.side_channel.wire import (
     Alloc,
     Commit,
     Done,
@@ -30,7 +31,6 @@ from dualpath.integrations.vllm.connector.side_channel.messages import (
     encode,
     expect,
 )
-from dualpath.integrations.vllm.connector.side_channel.server import split_address
 from dualpath.transport.slots import SlotPool
 
 R = TypeVar("R", bound=Reply)

@@ -25,9 +25,9 @@ from dualpath.integrations.vllm.connector.side_channel.client import (
     SideChannelClient,
 )
 from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus, run_on
-from dualpath.integrations.vllm.connector.side_channel.messages import SideChannelError
-from dualpath.integrations.vllm.connector.side_channel.server import DecodeSideChannel
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dualpath.integrations.vllm.connector.side_channel.messages import SideChannelError
+from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
 from dualpath.transport.nixl import WAIT_TIMEOUT_S
 from dualpath.transport.slots import SlotPool
 

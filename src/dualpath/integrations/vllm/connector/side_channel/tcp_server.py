@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.connector.side_channel.messages import (
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.wire import (
     Alloc,
     Commit,
     Done,
@@ -30,7 +31,6 @@ from dualpath.integrations.vllm.connector.side_channel.messages import (
     decode,
     encode,
 )
-from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.transport.pacing import Pacer
 
 
