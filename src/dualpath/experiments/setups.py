@@ -15,7 +15,7 @@ from dualpath.core.errors import UnknownPresetError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.core.units import GB
-from dualpath.experiments.profile import Profile, load_profile
+from dualpath.experiments.step_profile import Profile, load_profile
 
 HARDWARE = "h800-deepseek"
 """The paper's node: 8 Hopper GPUs, 8 x 400 Gb/s compute NICs, one 400 Gb/s storage NIC."""
@@ -69,7 +69,7 @@ def _profile(path: str) -> Profile:
 @dataclass(frozen=True)
 class ProfileSetup(Setup):
     """A profiled engine's cluster: its model, run configuration and measured step costs
-    (`experiments.profile.Profile`), at 1P1D unless P/D are given."""
+    (`experiments.step_profile.Profile`), at 1P1D unless P/D are given."""
 
     profile_path: str = ""
 

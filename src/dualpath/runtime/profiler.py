@@ -10,7 +10,7 @@ Times the same calls the engines make, on one thread (as a node runs torch):
   temporary folder (the storage the runtime's NICs are emulated over).
 
 Each point is the median of `repeats` timings after one warm-up. Nothing is fitted here
-(`dualpath.experiments.profile` fits and writes the file).
+(`dualpath.experiments.step_profile` fits and writes the file).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _machine(device: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dualpath.experiments.profile import build_profile, load_profile, write_profile
+    from dualpath.experiments.step_profile import build_profile, load_profile, write_profile
     from dualpath.runtime.model.model_source import build_model
     from dualpath.runtime.profiler import measure
 

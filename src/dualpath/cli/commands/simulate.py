@@ -197,7 +197,7 @@ def _trajectory_workload(args: argparse.Namespace, block_size: int) -> Workload:
 def run(args: argparse.Namespace) -> int:
     profile = None
     if args.profile:
-        from dualpath.experiments.profile import load_profile
+        from dualpath.experiments.step_profile import load_profile
 
         profile = load_profile(args.profile)
         cluster = profile.cluster(args.prefill_nodes, args.decode_nodes)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dualpath.experiments.profile import (
+from dualpath.experiments.step_profile import (
     ProfileFileError,
     build_profile,
     fit_costs,
