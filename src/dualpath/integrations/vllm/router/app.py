@@ -351,10 +351,13 @@ class Router:
                     role.value, self.url_of(role, index), reason)
         self._place()
 
-    def mark_up(self, role: Role, index: int) -> None:
-        gone = self.down.pop((role, index), None)
-        if gone is None:
+    def mark_up(self, role: Role, index: int, polled_at: float) -> None:
+        """Back in service, unless it went down after this poll began (a poll in flight when a
+        request found the instance dead may still have been answered by it)."""
+        gone = self.down.get((role, index))
+        if gone is None or gone.since >= polled_at:
             return
+        del self.down[(role, index)]
         self.policy.mark_up(role, index)
         log.warning("%s instance %s is back after %.1f s", role.value,
                     self.url_of(role, index), time.monotonic() - gone.since)
@@ -385,6 +388,7 @@ class Router:
         """One instance's `/health` and `/metrics`: its loads into the policy, and whether it
         is up (any failure marks it down; a failed poll keeps the last sample)."""
         timeout = max(1.0, 2 * self.cfg.poll_interval_s)
+        polled_at = time.monotonic()
         try:
             health = await self.client.get(f"{url}/health", timeout=timeout)
             if health.status_code != HTTPStatus.OK:
@@ -400,7 +404,7 @@ class Router:
             self.mark_down(role, index, f"poll failed: {type(e).__name__}: {e}"[:300])
             return
         self.policy.update_metrics(role, index, sample)
-        self.mark_up(role, index)
+        self.mark_up(role, index, polled_at)
 
     # -- placement -------------------------------------------------------------------------
     def _place(self) -> None:
