@@ -383,6 +383,23 @@ def test_metrics_parser_reads_its_families_among_the_rest() -> None:
         running=5, waiting=1, kv_usage=0.5, kv_capacity_bytes=(10 + 5) * 4 * 2)
 
 
+def test_metrics_parser_reads_only_its_lines() -> None:
+    # The rest of the page never reaches Prometheus' parser: a line of another family that
+    # it refuses (a plugin's unquoted label, a bad value) cannot fail the poll and mark the
+    # instance down, and a page of 200k histogram lines costs one scan, not a parse.
+    junk = [f'vllm:request_latency_seconds_bucket{{engine="0",le="{i}"}} {i}.0'
+            for i in range(200_000)]
+    page = "\n".join([
+        *junk,
+        'vllm:plugin_info{engine="0",version=1.2} 1.0',
+        'vllm:plugin_bytes{engine="0"} many',
+        'vllm:num_requests_running{engine="0",model_name="m"} 4.0',
+        'vllm:kv_cache_usage_perc{engine="0"} 0.75',
+    ]) + "\n"
+    assert parse_vllm_metrics(page, 2.0) == InstanceMetrics(
+        running=4, waiting=None, kv_usage=0.75, kv_capacity_bytes=None)
+
+
 # -- the HTTP floor's protections (dualpath.http), as `dualpath serve` has them ----------------
 BIG_BYTES = 50 * 2**20
 
