@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.cluster import netns, reaper
+from dualpath.integrations.vllm.cluster import netns, reaper, stock
 
 CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
 CHATML_TEMPLATE = (
@@ -65,17 +65,28 @@ def _die_with_parent() -> None:
     reaper.die_with_parent(signal.SIGTERM)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(taken: set[int] | None = None) -> int:
+    """A port free on 127.0.0.1 now and not in `taken` (ports handed out for servers that
+    have not bound them yet: the kernel would hand one of them out again); added to it."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
+    raise OSError("no free port outside those already handed out")
 
 
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 now."""
+def free_ports(n: int, taken: set[int] | None = None) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 now and not in `taken`
+    (added to it)."""
     for _ in range(100):
         base = free_port()
         if base + n > 65536:
+            continue
+        if taken is not None and taken.intersection(range(base, base + n)):
             continue
         with contextlib.ExitStack() as held:
             try:
@@ -84,6 +95,8 @@ def free_ports(n: int) -> int:
                     s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            if taken is not None:
+                taken.update(range(base, base + n))
             return base
     raise OSError(f"no {n} consecutive free ports")
 
@@ -138,8 +151,14 @@ class VllmClusterSpec:
     instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
     explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
     extra_args: tuple[str, ...] = ()
+    stack: str = "dualpath"
+    """The instances' connectors: "dualpath" (`DualPathConnector`) or "vllm-stock" (vLLM's own
+    NIXL P/D and filesystem KV tier in `store`, no DualPath: `stock`)."""
 
     def __post_init__(self) -> None:
+        if self.stack not in STACKS:
+            raise SpecError("vllm cluster", "stack", self.stack,
+                            f"must be one of {', '.join(STACKS)}")
         if self.tensor_parallel_size < 1:
             raise SpecError("vllm cluster", "tensor_parallel_size", self.tensor_parallel_size,
                             "must be >= 1")
@@ -155,6 +174,9 @@ class VllmClusterSpec:
             return {}
         tp = self.tensor_parallel_size
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[index * tp:(index + 1) * tp])}
+
+
+STACKS = ("dualpath", "vllm-stock")
 
 
 def _topology(cpu: int) -> tuple[int, int]:
@@ -356,6 +378,7 @@ class VllmCluster:
         roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         counts = {"prefill": 0, "decode": 0}
         binding = cpu_binding(spec, len(roles))
+        taken: set[int] = set()
         try:
             if spec.hosts == "netns":
                 why = netns.available()
@@ -368,18 +391,21 @@ class VllmCluster:
                 counts[role] += 1
                 host = self.hosts.add() if self.hosts is not None else None
                 address = host.address if host is not None else "127.0.0.1"
-                port = free_port()
+                port = free_port(taken)
                 # A decode instance's ranks serve side channels on consecutive ports.
-                side = f"{address}:{free_ports(spec.tensor_parallel_size)}" \
-                    if role == "decode" else None
-                events = log_dir / f"{name}.events.jsonl" if spec.event_logs else None
+                is_stock = spec.stack == "vllm-stock"
+                side = f"{address}:{free_ports(spec.tensor_parallel_size, taken)}" \
+                    if role == "decode" and not is_stock else None
+                events = log_dir / f"{name}.events.jsonl" \
+                    if spec.event_logs and not is_stock else None
                 log_path = log_dir / f"{name}.log"
                 log = log_path.open("wb")
-                cmd = server_command(spec, port, kv_transfer_config(spec, role, side, events),
-                                     template, address)
+                config = stock.kv_transfer_config(role, spec.store, spec.storage_read_gbps) \
+                    if is_stock else kv_transfer_config(spec, role, side, events)
+                cmd = server_command(spec, port, config, template, address)
                 kv_events = None
                 if spec.kv_events:
-                    events_port = free_port()
+                    events_port = free_port(taken)
                     kv_events = f"tcp://{address}:{events_port}"
                     cmd += ["--kv-events-config", json.dumps({
                         "enable_kv_cache_events": True, "publisher": "zmq",
@@ -389,6 +415,8 @@ class VllmCluster:
                 tag = f"dp{os.getpid()}.{name}"
                 command = reaped_command(cmd, tag, spec.stop_grace_s)
                 inst_env = {**env, **bind, **spec.instance_gpus(len(self.instances))}
+                if is_stock:
+                    inst_env.update(stock.instance_env(address, free_port(taken)))
                 self.instances.append(Instance(
                     name, role, port, side, self._popen(command, inst_env, log), log_path,
                     events, log, address, host.netns if host is not None else None,
