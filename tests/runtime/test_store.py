@@ -163,7 +163,7 @@ def test_two_instances_share_one_root(tmp_path: Path) -> None:
 def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
     store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
     store.put(b"a" * 16, payload(0))
-    tmp = store.path_of(b"a" * 16).parent / ".tmp-dead-1-0"
+    tmp = tmp_path / ".tmp" / ".tmp-dead-1-0"
     tmp.write_bytes(b"partial")
     assert store.remove_stale_temp(max_age_s=3600) == 0
     old = time.time() - 7200
@@ -174,7 +174,7 @@ def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
 
 def test_opening_a_store_removes_the_temps_of_dead_writers_only(tmp_path: Path) -> None:
     key = b"t" * 16
-    folder = tmp_path / key.hex()[:2]
+    folder = tmp_path / ".tmp"
     folder.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid names no process now
@@ -187,13 +187,12 @@ def test_opening_a_store_removes_the_temps_of_dead_writers_only(tmp_path: Path) 
         for t in temps.values():
             t.write_bytes(b"partial")
         store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
-        assert store.path_of(key).parent == folder
         assert store.counters.num_stale_temps_removed == 1
         assert not temps[dead.pid].exists()
         assert temps[alive.pid].exists() and temps[os.getpid()].exists()  # may be writing
         store.put(key, payload(0))
-        # The sweep lists every directory: a second open of the root in this process (a
-        # worker's store and its side channel's) does not repeat it.
+        # A second open of the root in this process (a worker's store and its side
+        # channel's) does not repeat the sweep.
         temps[dead.pid].write_bytes(b"partial")
         reopened = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
         assert reopened.counters.num_stale_temps_removed == 0 and temps[dead.pid].exists()
@@ -202,6 +201,34 @@ def test_opening_a_store_removes_the_temps_of_dead_writers_only(tmp_path: Path) 
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_writes_in_progress_live_in_one_folder_the_sweep_lists(tmp_path: Path) -> None:
+    # A store of an earlier version: a dead writer's temp beside its blocks, no temp folder.
+    key = b"u" * 16
+    folder = tmp_path / key.hex()[:2]
+    folder.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f".tmp-{key.hex()}-{store_module._HOST_TAG}-{dead.pid}"
+    beside = folder / f"{name}-0"
+    beside.write_bytes(b"partial")
+    store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
+    # The open that made the temp folder walked the block folders, once.
+    assert store.counters.num_stale_temps_removed == 1 and not beside.exists()
+    # Since then sweeps list the temp folder only, however many block folders there are.
+    beside.write_bytes(b"partial")
+    inside = tmp_path / ".tmp" / f"{name}-1"
+    inside.write_bytes(b"partial")
+    assert BlockStore(tmp_path, BLOCK_BYTES).remove_stale_temp() == 1
+    assert beside.exists() and not inside.exists()
+    assert store.remove_stale_temp(in_block_folders=True) == 1 and not beside.exists()
+    # A temp folder removed under an open store comes back with the next put.
+    (tmp_path / ".tmp").rmdir()
+    assert store.put(key, payload(1))
+    out = bytearray(BLOCK_BYTES)
+    assert store.get_into(key, out) and bytes(out) == payload(1)
+    assert store.keys() == [key] and not list((tmp_path / ".tmp").iterdir())
 
 
 def test_a_store_with_a_capacity_evicts_the_least_recently_used_blocks(
@@ -216,7 +243,7 @@ def test_a_store_with_a_capacity_evicts_the_least_recently_used_blocks(
     for i, key in enumerate(keys[:4]):  # used in key order, an hour ago
         os.utime(store.path_of(key), (old + i, old + i))
     # A write in progress (a temp file, older than every block) is never evicted.
-    writing = store.path_of(keys[0]).parent / f".tmp-{keys[0].hex()}-x-1-0"
+    writing = tmp_path / ".tmp" / f".tmp-{keys[0].hex()}-x-1-0"
     writing.write_bytes(bytes(one))
     os.utime(writing, (old - 10, old - 10))
     assert store.get_into(keys[0], bytearray(BLOCK_BYTES))  # block 0 used now

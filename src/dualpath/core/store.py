@@ -5,7 +5,7 @@ all nodes open the same root):
 
     root/store.json                    {"format": ..., "full_block_bytes": N}; fixed per store
     root/<kk>/<key hex>.blk            one file per Full Block; <kk> = first key byte (256 dirs)
-    root/<kk>/.tmp-<key hex>-<host>-<pid>-<n>   a write in progress (never read); <host> is a
+    root/.tmp/.tmp-<key hex>-<host>-<pid>-<n>   a write in progress (never read); <host> is a
                                        tag of the writer's host name, <n> unique in its process
 
     .blk file = header (64 B) + payload (full_block_bytes B)
@@ -23,15 +23,19 @@ writers on different nodes independent: there is no shared index to update, a bl
 visible to every reader the moment its rename lands, and the filesystem is the index, so
 `contains` is a `stat`.
 
-Atomicity: `put` writes a temp file in the block's directory, fsyncs it (when `is_durable`),
-then `os.replace`s it onto the final name. A writer killed at any point leaves at most a
-`.tmp-*` file, which readers never open; the final name only ever refers to a complete file.
+Atomicity: `put` writes a temp file in the store's one temp folder, fsyncs it (when
+`is_durable`), then `os.replace`s it onto the final name (a rename within one file system,
+which POSIX makes atomic). A writer killed at any point leaves at most a `.tmp-*` file,
+which readers never open; the final name only ever refers to a complete file.
 The first open of a store root in a process removes the temp files of writers on this host
-that are no longer running (and any older than an hour): the sweep lists every directory, so
-a process opening the same root again (a worker's store, its side channel's, a router's)
-does not repeat it. A put that fails (a full disk, a read-only mount) removes its temp
-file, is counted in `num_failed_puts` and raises; callers that persist KV in the background
-count it and carry on (the block is a later cache miss).
+that are no longer running (and any older than an hour). Temps live in `.tmp/` so that this
+sweep lists one small folder, not the 256 block folders and every block in them (on a
+network file system, pages of entries fetched one round trip at a time, by every worker,
+side channel and router that opens the store); the open that creates `.tmp/` walks the
+block folders once, for temps that earlier versions left beside the blocks. A put that
+fails (a full disk, a read-only mount) removes its temp file, is counted in
+`num_failed_puts` and raises; callers that persist KV in the background count it and carry
+on (the block is a later cache miss).
 
 Capacity (optional, `capacity_bytes`): the store keeps about that many bytes of block files
 and evicts whole blocks, least recently used first (the later of a file's atime and mtime; a
@@ -93,6 +97,8 @@ the same key must not pick the same temp name."""
 _SWEPT_ROOTS: set[str] = set()
 """Store roots (real paths) whose stale temps this process has swept."""
 _SWEPT_LOCK = threading.Lock()
+TEMP_DIR = ".tmp"
+"""The folder under a store root where every write in progress lives."""
 EVICT_TO = 0.9
 """A store over its capacity evicts down to this fraction of it (so a scan is rare)."""
 TOUCH_AFTER_S = 60.0
@@ -188,8 +194,15 @@ class BlockStore:
         (None: not scanned yet)."""
         self.counters = StoreCounters()
         self._open_meta()
-        if _first_open_here(self._root_str):
-            self.counters.num_stale_temps_removed = self.remove_stale_temp()
+        self._temp_dir = f"{self._root_str}/{TEMP_DIR}"
+        try:
+            os.mkdir(self._temp_dir)
+            is_new_temp_dir = True
+        except OSError:  # there already (or a read-only store: puts fail and are counted)
+            is_new_temp_dir = False
+        if _first_open_here(self._root_str) or is_new_temp_dir:
+            self.counters.num_stale_temps_removed = self.remove_stale_temp(
+                in_block_folders=is_new_temp_dir)
 
     # -- metadata --------------------------------------------------------------------------
     def _open_meta(self) -> None:
@@ -283,7 +296,7 @@ class BlockStore:
         tmp = ""
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = _create_temp(path)
+            fd, tmp = _create_temp(self._temp_dir, path.stem)
             try:
                 _write_all(fd, [header, mv])
                 if self.is_durable:
@@ -429,8 +442,11 @@ class BlockStore:
             return False
         return True
 
-    def remove_stale_temp(self, max_age_s: float = STALE_TEMP_AGE_S) -> int:
-        """Delete the `.tmp-*` files killed writers left; returns how many.
+    def remove_stale_temp(self, max_age_s: float = STALE_TEMP_AGE_S, *,
+                          in_block_folders: bool = False) -> int:
+        """Delete the `.tmp-*` files killed writers left in the temp folder (and, with
+        `in_block_folders`, beside the blocks, where earlier versions wrote them: a walk of
+        the whole store); returns how many.
 
         A temp file is stale when its writer ran on this host and that process is gone, or
         when it is older than `max_age_s` (writers on other hosts sharing the mount, names
@@ -440,7 +456,10 @@ class BlockStore:
         """
         now = time.time()
         removed = 0
-        for tmp in self.root.glob("*/.tmp-*"):
+        temps = self.root.glob(f"{TEMP_DIR}/.tmp-*")
+        if in_block_folders:
+            temps = itertools.chain(temps, self.root.glob("[0-9a-f][0-9a-f]/.tmp-*"))
+        for tmp in temps:
             with contextlib.suppress(OSError):
                 if _is_dead_local_writer(tmp.name) or now - tmp.stat().st_mtime > max_age_s:
                     tmp.unlink()
@@ -471,18 +490,21 @@ def _touch(fd: int) -> None:
             os.utime(fd, ns=(now_ns, st.st_mtime_ns))
 
 
-def _create_temp(path: Path) -> tuple[int, str]:
-    """A new temp file next to `path`, opened for writing: `(fd, name)`.
+def _create_temp(folder: str, stem: str) -> tuple[int, str]:
+    """A new temp file in `folder` for the block file named `stem`, opened for writing:
+    `(fd, name)`.
 
     The name says who writes it (host tag, pid), so a later open can tell a dead writer's
     leftovers from a live one's; a name taken already (a pid reused since a crash) is skipped.
     """
     while True:
-        name = f"{path.parent}/.tmp-{path.stem}-{_HOST_TAG}-{os.getpid()}-{next(_TMP_IDS)}"
+        name = f"{folder}/.tmp-{stem}-{_HOST_TAG}-{os.getpid()}-{next(_TMP_IDS)}"
         try:
             return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name
         except FileExistsError:
             continue
+        except FileNotFoundError:  # the temp folder was removed while the store was open
+            os.makedirs(folder, exist_ok=True)
 
 
 def _is_dead_local_writer(name: str) -> bool:
