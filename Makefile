@@ -107,7 +107,7 @@ vllm-demo: $(VLLM_STAMP)
 # 28's kill test: the decode and the prefill server SIGKILLed under load and restarted); the
 # P/D demo's router runs in .venv, hence $(STAMP). About 4 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/test_pd_servers.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
 # lives in its own venv), so a change to either side of the (experimental) connector API shows
@@ -115,7 +115,8 @@ vllm-test: $(STAMP) $(VLLM_STAMP)
 vllm-typecheck: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/mypy --python-executable $(VLLM_PY) --follow-imports=silent \
 	  src/dualpath/integrations/vllm/connector/dualpath_connector.py \
-	  src/dualpath/integrations/vllm/connector/vllm_metrics.py
+	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
+	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py
 
 # A 1P1D cluster of vLLM servers with the connector, and the router on :8000 (Ctrl-C stops;
 # DECODE=2 for 1P2D).

