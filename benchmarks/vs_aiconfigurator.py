@@ -18,13 +18,16 @@ on the same model, GPUs, lengths and SLO (issue 31, deliver 5).
 3. Our simulator on the same 16 GPUs (every P/D split of whole nodes), same request shape
    (isl, prefix read from storage, osl), same SLO (mean TTFT, mean TPOT): the highest request
    rate meeting it per mode, searched as `dualpath advise` searches (double / halve, bisect),
-   single-turn requests arriving as a Poisson process.
+   single-turn requests arriving as a Poisson process; once with the `--hardware` preset's
+   storage and once with the `--reference-hardware` preset's (its NIC rate and read model on
+   the same nodes).
 4. `dualpath advise` itself (the function behind the command) on the same model, hardware,
    GPUs and SLO, on its own workload: the Table-2 agent trajectories of `--trace` (32K: mean
    context 17K tokens, append 608, generate 148 per turn), not AIConfigurator's fixed shape.
 
-Run: `.venv/bin/python benchmarks/vs_aiconfigurator.py` (about 2 minutes on 2 cores;
-`--aic-output FILE` parses a saved AIConfigurator output instead of running it).
+Run: `.venv/bin/python benchmarks/vs_aiconfigurator.py` (about 3 minutes on 2 cores, of which
+AIConfigurator 15-90 s and advise most of the rest; `--aic-output FILE` parses a saved
+AIConfigurator output instead of running it).
 """
 
 from __future__ import annotations
@@ -368,7 +371,7 @@ def main() -> int:
     ap.add_argument("--modes", default="basic,dualpath")
     ap.add_argument("--duration", type=float, default=600.0,
                     help="simulated seconds per online run (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=3, help="bisection steps (default: "
+    ap.add_argument("--steps", type=int, default=5, help="bisection steps on its shape (default: "
                     "%(default)s)")
     ap.add_argument("--aic", metavar="EXE", help="the aiconfigurator executable (default: "
                     f"{AIC_VENV.name}/bin/aiconfigurator, installed if missing)")
