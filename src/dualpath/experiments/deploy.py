@@ -12,7 +12,7 @@ the router mount the same block store at `store`.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
@@ -46,6 +46,7 @@ def deployment(
     store: str, mode: str = "dualpath", python: str = "python3",
     tensor_parallel_size: int = 1, storage_gbps: float | None = None,
     max_model_len: int = 65536, max_num_seqs: int = 256, dtype: str = "auto",
+    cuda_graphs: bool = True, staging_blocks: int | None = None,
 ) -> list[Launch]:
     """Every vLLM server of the P/D (an instance per `tensor_parallel_size` GPUs of each node),
     then the router (on `router`, a host of its own or any of them)."""
@@ -55,8 +56,10 @@ def deployment(
     spec = VllmClusterSpec(model=model, store=Path(store), python=python,
                            num_prefill=num_prefill_nodes, num_decode=num_decode_nodes,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype=dtype,
-                           cuda_graphs=True, tensor_parallel_size=tensor_parallel_size,
+                           cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
                            event_logs=False, bind_cpus=False)
+    if staging_blocks is not None:
+        spec = replace(spec, staging_blocks=staging_blocks)
     per_node = gpus_per_node // tensor_parallel_size
     out: list[Launch] = []
     for role, count in (("prefill", num_prefill_nodes), ("decode", num_decode_nodes)):

@@ -31,10 +31,27 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def mal_tokens(mal: str) -> tuple[str, int]:
+    """(Table-2 trace, truncation length in tokens) of a `RunSpec.mal`: `64k` is the 64k trace
+    cut at 64K tokens (its MaxLen), `32k@2048` the 32k trace cut at 2,048 (an engine with a
+    short context)."""
+    trace, at, cap = mal.partition("@")
+    if trace not in MAL_TOKENS:
+        raise SpecError("run", "mal", mal, f"must be one of {', '.join(MAL_TOKENS)}, "
+                        "optionally @TOKENS")
+    if not at:
+        return trace, MAL_TOKENS[trace]
+    if not cap.isdigit() or not 2 <= int(cap) <= MAL_TOKENS[trace]:
+        raise SpecError("run", "mal", mal, f"the length after @ must be an integer in "
+                        f"[2, {MAL_TOKENS[trace]}]")
+    return trace, int(cap)
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """One point of one experiment. `mal` names the Table-2 trace and its truncation length;
-    `aps > 0` makes it an online run of `max_duration_s` simulated seconds."""
+    """One point of one experiment. `mal` names the Table-2 trace and its truncation length
+    (`32k`; `32k@2048`: that trace cut at 2,048 tokens, `mal_tokens`); `aps > 0` makes it an
+    online run of `max_duration_s` simulated seconds."""
 
     setup: str
     mode: str
@@ -58,8 +75,7 @@ class RunSpec:
     calibrated record (`dualpath.core.storage`)."""
 
     def __post_init__(self) -> None:
-        if self.mal not in MAL_TOKENS:
-            raise SpecError("run", "mal", self.mal, f"must be one of {', '.join(MAL_TOKENS)}")
+        mal_tokens(self.mal)
         if self.num_agents < 1:
             raise SpecError("run", "num_agents", self.num_agents, "must be >= 1")
         s = setup(self.setup)
@@ -112,7 +128,7 @@ class RunSpec:
                              storage_read=params.storage_read or own.storage_read)
         return SimConfig(
             cluster, _workload(self.mal, self.num_agents, self.append_factor, self.gen_factor,
-                               self.seed),
+                               self.seed, params.block_size_tokens),
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
             cost_overrides=self.cost_overrides, params=params, **extra,
         )
@@ -123,10 +139,12 @@ NOMINAL_STORAGE = (1.0, 0.0)
 
 
 @cache
-def _workload(mal: str, num_agents: int, append: float, gen: float, seed: int) -> Workload:
+def _workload(mal: str, num_agents: int, append: float, gen: float, seed: int,
+              block_size: int = 64) -> Workload:
     # Each MAL column of Fig. 7 uses the dataset of that MaxLen, truncated at the MAL (§7.3).
-    return agent_workload(mal, num_agents, seed=seed, max_len_tokens=MAL_TOKENS[mal],
-                          append_factor=append, gen_factor=gen)
+    trace, tokens = mal_tokens(mal)
+    return agent_workload(trace, num_agents, seed=seed, max_len_tokens=tokens,
+                          append_factor=append, gen_factor=gen, block_size=block_size)
 
 
 def _simulate(spec: RunSpec) -> tuple[SimResult, float]:

@@ -8,14 +8,16 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.deploy import deployment, render
 from dualpath.experiments.extensions import advise
 from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.report import Context, section_markdown
-from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.runner import Runner, RunSpec, mal_tokens
 from dualpath.experiments.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
+from dualpath.experiments.step_profile import load_profile
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
 
 
@@ -37,6 +39,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--hardware", default=HARDWARE, help="node preset (default: %(default)s)")
     p.add_argument("--trace", default="64k", choices=("32k", "48k", "64k"),
                    help="Table-2 trace (default: %(default)s)")
+    p.add_argument("--mal", type=int, metavar="TOKENS",
+                   help="cut each trajectory at TOKENS (default: the trace's MaxLen; with a "
+                   "vLLM --profile, the profiled server's max_model_len)")
     p.add_argument("--pd", default="1P1D,2P1D,1P2D", metavar="LIST",
                    help="P/D configurations in nodes, e.g. 1P1D,2P1D (default: %(default)s)")
     p.add_argument("--modes", default="basic,dualpath", metavar="LIST",
@@ -92,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
         mode_preset(m)
     if args.steps < 0:
         raise AdviseArgsError(f"--steps={args.steps}: must be >= 0")
+    prof = None
     if args.profile:
         name = f"{PROFILE_PREFIX}{args.profile}"
         setup(name)  # reads and checks the file now: a bad one is one line naming the field
+        prof = load_profile(args.profile)
     else:
         known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
         name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
@@ -118,7 +125,13 @@ def run(args: argparse.Namespace) -> int:
         raise AdviseArgsError(f"--duration={args.duration}: must be >= 0")
     if args.jobs < 0:
         raise AdviseArgsError(f"--jobs={args.jobs}: must be >= 0 (0: the machine's cores)")
-    ctx = Context(args.out, runner, args.quick, mals=(args.trace,),
+    engine: dict[str, Any] = dict(prof.data["engine"]) if prof is not None else {}
+    is_vllm = engine.get("kind") == "vllm"
+    mal = args.mal if args.mal is not None else (engine.get("max_model_len") if is_vllm
+                                                 else None)
+    trace = args.trace if mal is None else f"{args.trace}@{mal}"
+    mal_tokens(trace)  # a bad --mal is one line
+    ctx = Context(args.out, runner, args.quick, mals=(trace,),
                   online_duration_s=args.duration)
     if args.ray:
         runner.ray = join(args.ray)
@@ -142,11 +155,21 @@ def run(args: argparse.Namespace) -> int:
               f"mAPS/GPU); bottleneck: {c.bottleneck}")
     print(f"wrote {md} and {ctx.path('advise.csv')}")
     hw = setup(name).cluster(best.num_prefill_nodes, best.num_decode_nodes).hardware
+    # A vLLM profile's engine settings are those of the server measured: its commands run
+    # the engine the plan was simulated with.
+    measured: dict[str, Any] = {}
+    if prof is not None and is_vllm:
+        measured = {k: engine[k] for k in ("dtype", "max_model_len", "max_num_seqs")
+                    if k in engine}
+        if "enforce_eager" in engine:
+            measured["cuda_graphs"] = not engine["enforce_eager"]
+        measured["staging_blocks"] = max(1, round(prof.run["dram_buffer_bytes"] / (
+            prof.run["block_size"] * prof.model["kv_bytes_per_token"])))
     launches = deployment(best.num_prefill_nodes, best.num_decode_nodes, hw.gpus_per_node,
                           model=args.vllm_model, store=args.store, mode=best.mode,
                           python=args.vllm_python,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          storage_gbps=hw.storage_nic_bytes_per_s * 8 / 1e9)
+                          storage_gbps=hw.storage_nic_bytes_per_s * 8 / 1e9, **measured)
     print(f"\ndeploy {best.label} (replace prefill-N / decode-N with your hosts' names; every "
           f"node and the router mount the block store at {args.store}):")
     print(render(launches))

@@ -41,6 +41,38 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="largest cached+new prompt and decode context measured "
                    "(default: %(default)s, the default `dualpath run --max-len`)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v = p.add_argument_group(
+        "vLLM (--engine vllm)",
+        "Time a vLLM server through timed /v1/completions requests (token-id prompts of "
+        "chosen lengths and batch sizes; cached tokens through vLLM's prefix cache): --url "
+        "names a running one (started with --enable-prefix-caching), else one is started "
+        "with --vllm-python on --model (a folder, or smollm2: the converted SmolLM2) on the "
+        "cores one instance of a 1P1D cluster gets here. --model gives the model's shape "
+        "either way. The run configuration recorded is the vLLM P/D cluster's "
+        "(benchmarks/vllm_pd_bench.py): one instance per node, its storage NIC, staging "
+        "buffer and KV cache.")
+    v.add_argument("--engine", choices=("runtime", "vllm"), default="runtime",
+                   help="what to profile (default: %(default)s: one of the runtime's engines)")
+    v.add_argument("--url", metavar="URL", help="a running vLLM server (default: start one)")
+    v.add_argument("--vllm-python", default=".venv-vllm/bin/python", metavar="EXE",
+                   help="the interpreter with vllm, for the server started here "
+                   "(default: %(default)s)")
+    v.add_argument("--dtype", default="float32",
+                   help="the server's --dtype (default: %(default)s, the CPU build's)")
+    v.add_argument("--max-model-len", type=int, default=2048, metavar="TOKENS",
+                   help="the started server's --max-model-len (default: %(default)s)")
+    v.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
+                   help="the started server's --max-num-seqs (default: %(default)s)")
+    v.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="TOKENS",
+                   help="vLLM's token budget per step (default: %(default)s, the CPU "
+                   "build's): the simulated engine's compute quota is the fitted time of a "
+                   "pass of that many new tokens")
+    v.add_argument("--storage-read-gbps", type=float, default=0.1, metavar="G",
+                   help="each node's emulated storage NIC (the connector's storage_read_gbps; "
+                   "default: %(default)s, vllm_pd_bench.py's)")
+    v.add_argument("--staging-blocks", type=int, default=64, metavar="N",
+                   help="a decode node's staging buffer in Full Blocks (default: %(default)s, "
+                   "vllm_pd_bench.py's)")
     # What `dualpath run`'s buffer sizing reads, at its defaults.
     p.set_defaults(func=run, agents=8, max_len=1536, temperature=0.0, seed=0)
 
@@ -75,10 +107,22 @@ def _machine(device: str) -> dict[str, Any]:
             "torch": torch.__version__, "device": device}
 
 
+def _written(out: Path, data: dict[str, Any]) -> str:
+    """Write the profile, read it back (validated); its description and the fit's errors."""
+    from dualpath.experiments.step_profile import load_profile, write_profile
+
+    write_profile(out, data)
+    fit = data["fit"]
+    return (load_profile(out).describe() + f"\nfit median error: prefill "
+            f"{fit['prefill_median_error']:.1%}, decode {fit['decode_median_error']:.1%}")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return run_vllm(args)
     from tqdm import tqdm
 
-    from dualpath.experiments.step_profile import build_profile, load_profile, write_profile
+    from dualpath.experiments.step_profile import build_profile
     from dualpath.runtime.model.model_source import build_model
     from dualpath.runtime.profiler import measure
 
@@ -117,14 +161,146 @@ def run(args: argparse.Namespace) -> int:
              "compute_quota_s": cfg.compute_quota_s, "beta_tokens": cfg.beta_tokens},
         prefill=m.prefill, decode=m.decode, rates=m.rates,
     )
-    write_profile(out, data)
-    prof = load_profile(out)
-    fit = data["fit"]
-    print(prof.describe())
-    print(f"fit median error: prefill {fit['prefill_median_error']:.1%}, decode "
-          f"{fit['decode_median_error']:.1%}; KV {layout.kv_bytes_per_token} B/token; copy "
+    print(_written(out, data) + f"; KV {layout.kv_bytes_per_token} B/token; copy "
           f"{m.rates['memory_copy'] / 2**30:.1f} GiB/s in memory, store write "
           f"{m.rates['store_write'] / 2**20:.0f} MiB/s, read {m.rates['store_read'] / 2**20:.0f} "
           "MiB/s")
+    print(f"wrote {out}")
+    return 0
+
+
+def _vllm_model_folder(args: argparse.Namespace) -> Path:
+    if args.model == "smollm2":
+        from dualpath.runtime.model.weights import smollm2_folder
+
+        return smollm2_folder()
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        raise SpecError("profile", "model", args.model,
+                        "with --engine vllm: smollm2 or a model folder with config.json")
+    return folder
+
+
+def _copy_rate() -> float:
+    """Bytes per second of one 64 MiB copy in memory (the median of 5): what engine-to-engine
+    KV moves at between instances on one machine, where the vLLM cluster's NIXL runs over
+    shared memory, unpaced."""
+    import time
+
+    import numpy as np
+
+    src = np.ones(64 << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return float(src.nbytes / sorted(times[1:])[2])
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """`dualpath profile --engine vllm`: time a vLLM server, write the profile."""
+    import contextlib
+    import json
+    import tempfile
+
+    from tqdm import tqdm
+
+    from dualpath.core.model import model_from_hf_config
+    from dualpath.experiments.step_profile import build_profile, fit_costs
+    from dualpath.integrations.vllm.profiler import (
+        QUICK_VLLM_GRID,
+        ServerArgs,
+        VllmGrid,
+        instance_cores,
+        measure_server,
+        start_server,
+    )
+    from dualpath.integrations.vllm.router.policy import DEFAULT_BETA_TOKENS
+
+    grid = QUICK_VLLM_GRID if args.quick else VllmGrid()
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise SpecError("profile", "repeats", args.repeats, "must be >= 1")
+        grid = VllmGrid(**{**grid.__dict__, "repeats": args.repeats})
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "staging_blocks"):
+        if getattr(args, name) < 1:
+            raise SpecError("profile", name, getattr(args, name), "must be >= 1")
+    if not args.storage_read_gbps > 0:
+        raise SpecError("profile", "storage_read_gbps", args.storage_read_gbps, "must be > 0")
+    dtype_bytes = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(
+        args.dtype)
+    if dtype_bytes is None:
+        raise SpecError("profile", "dtype", args.dtype, "must be float32, bfloat16 or float16")
+    folder = _vllm_model_folder(args)
+    spec = model_from_hf_config(folder, kv_dtype_bytes=dtype_bytes)
+    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    server = ServerArgs(model=str(folder), python=args.vllm_python, dtype=args.dtype,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    out = args.out or Path(f"profile-vllm-{folder.name}.json")
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        engine: dict[str, Any] = {"kind": "vllm", "url": url or "", "dtype": args.dtype,
+                                  "repeats": grid.repeats}
+        if url is None:
+            if not Path(args.vllm_python).exists():
+                raise SpecError("profile", "vllm_python", args.vllm_python,
+                                "no such interpreter (make vllm-setup, or give --url)")
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dualpath-prof-")))
+            print(f"starting a vLLM server on {folder} (about a minute)", file=sys.stderr,
+                  flush=True)
+            url = stack.enter_context(start_server(server, tmp / "vllm.log"))
+            engine.update(server.engine(), url="(started by dualpath profile)",
+                          cores=",".join(map(str, instance_cores())), prefix_caching=True)
+        with tqdm(total=grid.num_points, desc="profile", unit="point", file=sys.stderr,
+                  disable=args.no_progress) as bar:
+
+            def tick(label: str) -> None:
+                bar.set_postfix_str(label, refresh=False)
+                bar.update(1)
+
+            m = measure_server(url, grid, on_point=tick)
+    info = m.info
+    engine.update(served_model=info.model, max_model_len=info.max_model_len,
+                  kv_block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks)
+    kv = spec.kv_bytes_per_token
+    costs, _, _ = fit_costs(m.prefill, m.decode)
+    quota = costs.prefill_pass_time_s([(0.0, float(args.max_num_batched_tokens))])
+    copy_rate = _copy_rate()
+    data = build_profile(
+        created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        machine={"hostname": platform.node(), "platform": platform.platform(),
+                 "processor": platform.processor() or platform.machine(),
+                 "cpu_count": os.cpu_count() or 0, "python": platform.python_version(),
+                 "device": "cpu" if args.url is None else f"unknown (the server at {args.url})"},
+        engine=engine,
+        model={"name": str(hf.get("_name_or_path") or folder.name),
+               "num_layers": spec.num_layers, "hidden_size": int(hf["hidden_size"]),
+               "num_attention_heads": int(hf["num_attention_heads"]),
+               "num_kv_heads": int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+               "head_dim": int(hf.get("head_dim") or hf["hidden_size"]
+                               // hf["num_attention_heads"]),
+               "intermediate_size": int(hf["intermediate_size"]),
+               "vocab_size": int(hf["vocab_size"]), "kv_dtype_bytes": dtype_bytes,
+               "weight_dtype_bytes": dtype_bytes,
+               "is_tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+               "kv_bytes_per_token": int(kv)},
+        run={"storage_nic_bytes_per_s": args.storage_read_gbps * 1e9 / 8,
+             "compute_nic_bytes_per_s": copy_rate,
+             "compute_nic": "unpaced: NIXL over shared memory, at the measured memory copy "
+                            "rate",
+             "engines_per_node": 1,
+             "hbm_bytes": int(info.num_gpu_blocks * info.block_size * kv),
+             "dram_buffer_bytes": int(args.staging_blocks * info.block_size * kv),
+             "block_size": info.block_size,
+             "compute_quota_s": quota,
+             "compute_quota": f"the fitted pass of max_num_batched_tokens "
+                              f"{args.max_num_batched_tokens} new tokens",
+             "beta_tokens": float(DEFAULT_BETA_TOKENS)},
+        prefill=m.prefill, decode=m.decode, rates={"memory_copy": copy_rate},
+    )
+    print(_written(out, data) + f"; KV {kv:.0f} B/token, vLLM block "
+          f"{info.block_size} tokens, KV cache {info.num_gpu_blocks} blocks")
     print(f"wrote {out}")
     return 0
