@@ -456,7 +456,7 @@ class BlockStore:
         """
         now = time.time()
         removed = 0
-        temps = self.root.glob(f"{TEMP_DIR}/.tmp-*")
+        temps: Iterable[Path] = self.root.glob(f"{TEMP_DIR}/.tmp-*")
         if in_block_folders:
             temps = itertools.chain(temps, self.root.glob("[0-9a-f][0-9a-f]/.tmp-*"))
         for tmp in temps:
