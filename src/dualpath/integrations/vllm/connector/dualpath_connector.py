@@ -11,7 +11,8 @@ Extra config: `store_path` (required; a folder, local or a shared mount), `durab
 each block, default true), `event_log` (a JSON-lines file of loads and saves, default none),
 `background_saves` (write new blocks from a writer thread, not in the step; default true on a
 decode instance, false otherwise), `read_threads` / `write_threads` (store reads and writes
-in flight per worker, default 16 / 4), `staging_gb` or `staging_blocks` (a decode instance's
+in flight per worker, default 16 / 4; a decode instance's staging service reads
+`read_threads` at a time too), `staging_gb` or `staging_blocks` (a decode instance's
 staging buffer, in GB, default 2, or in Full Blocks), `store_capacity_gb` (the store keeps
 about that many GB, evicting the least recently used blocks; default none: every block).
 
@@ -275,7 +276,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                           extra.get_from_extra_config("staging_gb", None),
                           extra.get_from_extra_config("staging_blocks", None)),
             self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
-            self._layout.namespace.hex())
+            self._layout.namespace.hex(),
+            read_threads=int(extra.get_from_extra_config("read_threads", 16)))
         self._side_pool = pool
         self._side_address = str(address)
         self._decode = DecodeRemote(self._worker, pool)

@@ -3,7 +3,9 @@ one of this protocol's messages is refused by name; failures reach the client as
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,6 +104,53 @@ def test_requests_over_tcp(tmp_path: Path) -> None:
         assert staged.slots == ()
         client.release("y")
         assert pool.num_free == 2
+    finally:
+        client.close()
+        channel.close()
+        pool.close()
+
+
+class _MeetingStore(BlockStore):
+    """A real store whose reads wait at a barrier first: `parties` of them pass only when
+    that many are in flight at once."""
+
+    barrier: threading.Barrier | None = None
+
+    def get_into(self, key: bytes, out: Any) -> bool:
+        if self.barrier is not None:
+            self.barrier.wait()
+        return super().get_into(key, out)
+
+
+def test_a_stage_reads_its_blocks_in_parallel_and_offers_the_prefix_before_a_failure(
+        tmp_path: Path) -> None:
+    pool = StagingPool(SlotPool(None, 64, 12))
+    store = _MeetingStore(tmp_path, 64, is_durable=False)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for i, key in enumerate(keys):
+        if i != 2:
+            store.put(key, bytes([i]) * 64)
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, b"meta", lambda m: "peer",
+                                read_threads=4)
+    client = SideChannelClient(channel.address)
+    try:
+        # Four reads meet at the barrier only if the stage has them in flight together (read
+        # one after another, the first waits alone until the barrier breaks).
+        store.barrier = threading.Barrier(4, timeout=10)
+        staged = client.stage("x", 0, [keys[i] for i in (0, 1, 3, 4)])
+        assert len(staged.slots) == 4
+        assert [bytes(pool.view(s)[:1].numpy()) for s in client.lookup("x", [0, 1, 2, 3])] \
+            == [b"\x00", b"\x01", b"\x03", b"\x04"]
+        client.release("x")
+        # Block 2 is missing: blocks 3.. are read meanwhile but not offered (the prefill
+        # side recomputes from block 2 on), and their slots go back with the transfer.
+        store.barrier = None
+        staged = client.stage("y", 0, keys)
+        assert staged.slots == tuple(pool.address(s) for s in client.lookup("y", [0, 1]))
+        assert client.lookup("y", [2, 3, 4, 5]) == [None] * 4
+        assert channel.num_staged_blocks == 6 and channel.num_stage_errors == 1
+        client.release("y")
+        assert pool.num_free == 12
     finally:
         client.close()
         channel.close()

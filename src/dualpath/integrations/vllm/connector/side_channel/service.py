@@ -63,15 +63,18 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
                        storage_read_gbps: float | None, event_log: str | None,
                        namespace: str, timeout_s: float = 120.0,
                        command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+                       read_threads: int = 16,
                        ) -> tuple[subprocess.Popen[bytes], RemotePool]:
     """Start the side-channel process on `address`; returns it and the worker's pool view.
     `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
-    on the cores of this instance (`instance_cpus`)."""
+    on the cores of this instance (`instance_cpus`), staging `read_threads` blocks at a
+    time."""
     cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     cmd = [*command_prefix, sys.executable, "-m", __name__,
            "--address", address, "--store", store_root, "--full-block-bytes",
            str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
-           "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus))]
+           "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus)),
+           "--read-threads", str(read_threads)]
     if storage_read_gbps:
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
@@ -110,6 +113,8 @@ def _main() -> None:
     ap.add_argument("--event-log")
     ap.add_argument("--parent", type=int, help="exit when this process is gone")
     ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
+    ap.add_argument("--read-threads", type=int, default=16,
+                    help="store reads of a stage in flight at once")
     args = ap.parse_args()
     if args.cpus:
         run_on(args.cpus)
@@ -141,7 +146,7 @@ def _main() -> None:
     channel = DecodeSideChannel(
         args.address, pool, store, agent.metadata(), agent.connect, namespace=args.namespace,
         pacer=Pacer.from_gbps(args.storage_read_gbps, "storage_read")
-        if args.storage_read_gbps else None, log=log)
+        if args.storage_read_gbps else None, log=log, read_threads=args.read_threads)
     try:
         while args.parent is None or os.getppid() == args.parent:
             time.sleep(0.5)

@@ -1,5 +1,7 @@
 """`DecodeSideChannel`: the staging service's TCP server. Each connection is a stream of typed
-requests (`messages.py`), answered in order; every request is logged with its time."""
+requests (`messages.py`), answered in order; every request is logged with its time. A `stage`
+reads its blocks `read_threads` at a time (a storage NIC needs many reads in flight; one after
+another, each block's read and CRC32C check ran on one core)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from dualpath.core.store import BlockStore
@@ -48,7 +51,8 @@ class DecodeSideChannel:
     def __init__(self, address: str, pool: StagingPool, store: BlockStore,
                  agent_metadata: bytes, connect_peer: Callable[[bytes], str],
                  namespace: str = "", pacer: Pacer | None = None,
-                 log: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 log: Callable[[dict[str, Any]], None] | None = None,
+                 read_threads: int = 16) -> None:
         host, port = split_address(address)
         self.pool = pool
         self.store = store
@@ -58,6 +62,10 @@ class DecodeSideChannel:
                                 namespace=namespace, num_slots=pool.num_slots,
                                 shm=pool.slots.name, address=pool.base)
         self._connect_peer = connect_peer
+        self._readers = ThreadPoolExecutor(max(1, read_threads),
+                                           thread_name_prefix="dualpath-stage")
+        """Store reads of every connection's stages (one pool: the node's storage NIC)."""
+        self._counts_lock = threading.Lock()
         self.num_staged_blocks = 0
         self.num_stage_errors = 0
         self._log = log
@@ -115,29 +123,40 @@ class DecodeSideChannel:
         raise SideChannelError(f"{type(msg).__name__} is not a request")
 
     def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> Staged:
+        """Read `keys` into slots of `xfer` (blocks `first`..), in parallel; the reply holds
+        the slots of the blocks before the first that failed (the prefill side recomputes
+        from there on, so later blocks read meanwhile are not offered)."""
         blocks = list(range(first, first + len(keys)))
         slots = self.pool.alloc(xfer, blocks, is_read=True)
+
+        def read(slot: int, key: bytes) -> tuple[bool, float]:
+            with self.pacer.reading(self.store.full_block_bytes) if self.pacer is not None \
+                    else contextlib.nullcontext():
+                r0 = time.monotonic()
+                return self.store.get_into(key, self.pool.slots.slot(slot)), \
+                    time.monotonic() - r0
+
         ok = 0
         read_s = 0.0
+        futures: list[Future[tuple[bool, float]]] = []
         try:
-            for slot, key in zip(slots, keys, strict=True):
-                with self.pacer.reading(self.store.full_block_bytes) if self.pacer is not None \
-                        else contextlib.nullcontext():
-                    r0 = time.monotonic()
-                    is_read = self.store.get_into(key, self.pool.slots.slot(slot))
-                    read_s += time.monotonic() - r0
-                if not is_read:
-                    self.num_stage_errors += 1
-                    break  # the prefill side recomputes from the first failed block on
-                ok += 1
+            futures += (self._readers.submit(read, slot, key)
+                        for slot, key in zip(slots, keys, strict=True))
+            done = [f.result() for f in futures]
+            read_s = sum(s for _, s in done)
+            ok = next((i for i, (is_read, _) in enumerate(done) if not is_read), len(done))
         finally:
+            wait(futures)  # no read may write into a slot after the transfer lets it go
             self.pool.mark_staged(xfer, blocks[:ok])
-        self.num_staged_blocks += ok
+        with self._counts_lock:
+            self.num_staged_blocks += ok
+            self.num_stage_errors += ok < len(keys)
         return Staged(tuple(self.pool.address(s) for s in slots[:ok]), round(read_s, 4))
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._readers.shutdown(wait=True)
 
 
 def _record(msg: Message | None, reply: Reply, seconds: float) -> dict[str, Any]:
