@@ -12,6 +12,14 @@ Goal (issue 31): each speedup over Basic within 10%, each JCT within 20%.
 
 Run: `.venv/bin/python benchmarks/sim_vs_real.py` (about 3.5 minutes per repeat on 2 cores;
 `--repeats`, `--agents`, `--modes`, `--profile`, `--out`).
+
+`--vllm PROFILE` runs the vLLM half instead: `benchmarks/vllm_pd_bench.py` (1P1D, its
+defaults: 4 agents whose turn 2 reads 7 stored blocks through emulated 0.1 Gb/s storage NICs,
+all sent at once; medians of its repeats) in `.venv-vllm`, against `dualpath simulate`'s engine
+on the vLLM profile (`dualpath profile --engine vllm`) with the same turns: each agent one turn
+of the bench's turn-2 prompt (tokenized here with SmolLM2's tokenizer in ChatML, the 8-token
+reply counted as 8), its stored prefix as the hit the bench's router reported, 8 tokens
+generated, all at t = 0. Mean TTFT and JCT per mode, and each mode's ratio to Basic.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from dualpath.workload.jsonl import save_trajectories, trajectory_file
@@ -39,6 +48,89 @@ def _dualpath(args: list[str]) -> str:
     return done.stdout
 
 
+def _bench_prompt_tokens(agent: str, filler: int) -> int:
+    """Tokens of `vllm_pd_bench.py`'s turn-2 prompt for `agent` (ChatML, an 8-token reply)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dualpath.runtime.model.weights import load_tokenizer, smollm2_folder
+    from vllm_pd_bench import system_prompt
+
+    tok = load_tokenizer(smollm2_folder())
+    text = (f"<|im_start|>system\n{system_prompt(agent, filler)}<|im_end|>\n"
+            "<|im_start|>user\nList the resources that limit a prefill.<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    tail = "<|im_end|>\n<|im_start|>user\nWhich one binds here?<|im_end|>\n<|im_start|>assistant\n"
+    return len(tok.encode(text)) + 8 + len(tok.encode(tail))
+
+
+def vllm_half(args: argparse.Namespace) -> int:
+    """The storage-bound vLLM P/D benchmark against the simulator on the vLLM profile."""
+    from dualpath.experiments.step_profile import load_profile
+    from dualpath.sim import Driver, SimConfig, Workload, mode_preset, simulate
+
+    prof = load_profile(args.vllm)
+    vllm_py = Path(".venv-vllm/bin/python")
+    cmd = [str(vllm_py), str(Path(__file__).resolve().parent / "vllm_pd_bench.py"),
+           "--agents", str(args.agents), "--repeats", str(args.repeats),
+           "--storage-read-gbps", f"{prof.run['storage_nic_bytes_per_s'] * 8 / 1e9:g}"]
+    if args.bench_json is not None:
+        bench = json.loads(args.bench_json.read_text(encoding="utf-8"))
+    else:
+        print("running " + " ".join(cmd), file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            sys.exit(f"vllm_pd_bench.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        bench = json.loads(done.stdout)
+        print(f"bench: {time.perf_counter() - started:.0f} s wall, clean {bench['clean']}",
+              file=sys.stderr, flush=True)
+    args.agents, args.repeats = bench["agents"], bench["repeats"]
+    modes = list(bench["median"])
+    block = int(prof.run["block_size"])
+    full_block_bytes = block * int(prof.model["kv_bytes_per_token"])
+    hits = bench["hit_bytes_by_side"]["basic"][0]
+    hit_tokens = (hits["pe"] + hits["de"]) // full_block_bytes // args.agents * block
+    prompt = _bench_prompt_tokens("basic-0-0", 30)
+    workload = Workload.from_lists([[(prompt, hit_tokens, 8)] for _ in range(args.agents)])
+    kw = prof.sim_kwargs()
+    base = SimConfig(prof.cluster(1, 1), workload, driver=Driver(num_agents=args.agents), **kw)
+    rows = []
+    sim: dict[str, dict[str, float]] = {}
+    for m in modes:
+        res = simulate(replace(base, mode=mode_preset(m)))
+        sim[m] = {"ttft_s": float(res.ttft_s.mean()),
+                  "jct_s": float(res.trajectory_jct_s().mean())}
+    for m in modes:
+        real = bench["median"][m]
+        rows.append({"mode": m, **{f"real_{k}": real[k] for k in ("ttft_s", "jct_s")},
+                     **{f"sim_{k}": sim[m][k] for k in ("ttft_s", "jct_s")},
+                     "real_ttft_ratio": real["ttft_s"] / bench["median"]["basic"]["ttft_s"],
+                     "sim_ttft_ratio": sim[m]["ttft_s"] / sim["basic"]["ttft_s"],
+                     "real_jct_ratio": real["jct_s"] / bench["median"]["basic"]["jct_s"],
+                     "sim_jct_ratio": sim[m]["jct_s"] / sim["basic"]["jct_s"]})
+    lines = [f"vLLM 1P1D, {args.agents} agents, prompt {prompt} tokens, hit {hit_tokens}, 8 "
+             f"generated; real: medians of {args.repeats} (clean {bench['clean']})", "",
+             "| mode | real TTFT s | sim TTFT s | error | real JCT s | sim JCT s | error | "
+             "real / sim TTFT ratio to basic | real / sim JCT ratio to basic |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['real_ttft_s']:.2f} | {r['sim_ttft_s']:.2f} | "
+            f"{r['sim_ttft_s'] / r['real_ttft_s'] - 1:+.0%} | {r['real_jct_s']:.2f} | "
+            f"{r['sim_jct_s']:.2f} | {r['sim_jct_s'] / r['real_jct_s'] - 1:+.0%} | "
+            f"{r['real_ttft_ratio']:.2f} / {r['sim_ttft_ratio']:.2f} | "
+            f"{r['real_jct_ratio']:.2f} / {r['sim_jct_ratio']:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sim_vs_vllm.json").write_text(json.dumps({
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(sys.argv), "profile": str(args.vllm), "bench": bench,
+        "sim": sim, "rows": rows, "prompt_tokens": prompt, "hit_tokens": hit_tokens,
+    }, indent=1) + "\n", encoding="utf-8")
+    (args.out / "sim_vs_vllm.md").write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="real runs per mode (median)")
@@ -49,7 +141,19 @@ def main() -> int:
     ap.add_argument("--gen-scale", type=float, default=0.05)
     ap.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
     ap.add_argument("--out", type=Path, default=Path("sim_vs_real_out"))
+    ap.add_argument("--vllm", type=Path, metavar="PROFILE",
+                    help="the vLLM half: vllm_pd_bench.py against this vLLM profile "
+                    "(--agents default 4, --repeats 2 there)")
+    ap.add_argument("--bench-json", type=Path, metavar="FILE",
+                    help="with --vllm: vllm_pd_bench.py's output of an earlier run (not run "
+                    "again)")
     args = ap.parse_args()
+    if args.vllm is not None:
+        if "--agents" not in sys.argv:
+            args.agents = 4
+        if "--repeats" not in sys.argv:
+            args.repeats = 2
+        return vllm_half(args)
     args.out.mkdir(parents=True, exist_ok=True)
     traj = args.out / "trajectories.jsonl"
     save_trajectories(traj, trajectory_file(
