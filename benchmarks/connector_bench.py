@@ -14,11 +14,15 @@ blocks, through:
 beside two baselines measured in the same run on the same bytes: a plain `read` (`os.preadv`
 of each block's file into one buffer, no checksum) and a plain `memcpy` (one copy of the same
 number of bytes between two preallocated buffers). Each rate is the median of `--repeats`
-after a warm-up. Then the router's scheduling cost (`RoutePolicy.schedule`) with
-`--instances` (half prefill, half decode) and `--waiting` requests queued, and the cost of
-counting a 32K-token prompt's stored prefix (`StoreManifest.hit_blocks`, a `stat` per block,
-one by one and in waves on the router's threads; here and with an NFS-like round trip per
-`stat`), and the parse of one instance's `/metrics` page.
+after a warm-up, in wall time and in this process's CPU time (every thread's, the staging
+service's and NIXL's included): bytes per CPU-second is what a path costs whatever else runs
+on the machine, while its wall-time rate also depends on the cores left free (a path with
+parallel reads gains from idle cores, one plain `read` cannot). Then the router's
+scheduling cost (`RoutePolicy.schedule`) with `--instances` (half prefill, half decode) and
+`--waiting` requests queued, and the cost of counting a 32K-token prompt's stored prefix
+(`StoreManifest.hit_blocks`, a `stat` per block, one by one and in waves on the router's
+threads; here and with an NFS-like round trip per `stat`), and the parse of one instance's
+`/metrics` page.
 
 Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
 `--repeats`, `--block-tokens`, `--tp`, `--paths`).
@@ -31,6 +35,7 @@ import contextlib
 import ctypes
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -40,11 +45,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import crc32c
 import torch
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
+from dualpath.core.store import CRC_RELEASE_GIL_BYTES, HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.manifest import StoreManifest
@@ -74,13 +81,25 @@ class Shape:
 
 
 def median_s(fn: Callable[[], None], repeats: int) -> float:
+    return measure(fn, repeats)[0]
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process so far, every thread's, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds of `fn` over `repeats` after a warm-up."""
     fn()  # warm-up: page cache, first touch, NIXL connections
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(cpu_s() - c0)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def paged_kv(shape: Shape, num_blocks: int, device: str) -> dict[str, torch.Tensor]:
@@ -109,6 +128,64 @@ def plain_read(store: BlockStore, keys: list[bytes]) -> Callable[[], None]:
             fd = os.open(store.path_of(key), os.O_RDONLY)
             try:
                 os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+    return run
+
+
+def page_rows(kv: dict[str, torch.Tensor]) -> list[Any]:
+    """Per layer, its pages as a numpy uint8 [blocks, page bytes] (as `KVWorker` keeps them:
+    a page is then a cheap index, not a tensor view made per block)."""
+    return [layer.view(torch.uint8).reshape(layer.shape[0], -1).numpy()
+            for layer in kv.values()]
+
+
+def read_in_place(store: BlockStore, kv: dict[str, torch.Tensor], keys: list[bytes],
+                  block_ids: list[int], threads: ThreadPoolExecutor) -> Callable[[], None]:
+    """What the PE path does on host memory, less the checks: each file's pages scattered
+    into their places in the paged KV by one `preadv` (header skipped), on `threads`."""
+    rows = page_rows(kv)
+
+    def one(key: bytes, block_id: int) -> None:
+        fd = os.open(store.path_of(key), os.O_RDONLY)
+        try:
+            os.preadv(fd, [layer[block_id] for layer in rows], HEADER_BYTES)
+        finally:
+            os.close(fd)
+
+    def run() -> None:
+        list(threads.map(one, keys, block_ids))
+    return run
+
+
+def crc_pages(kv: dict[str, torch.Tensor], block_ids: list[int],
+              threads: ThreadPoolExecutor) -> Callable[[], None]:
+    """The PE path's other half: the CRC32C of every loaded page, on `threads` (the GIL
+    released as the store releases it)."""
+    rows = page_rows(kv)
+    mode = int(rows[0].shape[1] >= CRC_RELEASE_GIL_BYTES)
+
+    def one(block_id: int) -> None:
+        value = 0
+        for layer in rows:
+            value = crc32c.crc32c(layer[block_id], value, gil_release_mode=mode)
+
+    def run() -> None:
+        list(threads.map(one, block_ids))
+    return run
+
+
+def plain_read_spread(store: BlockStore, keys: list[bytes]) -> Callable[[], None]:
+    """The plain read with a destination as large as a loader's: each file into a place of
+    its own in one buffer of all the blocks (one thread, no checksum). The plain read's one
+    reused buffer stays in the CPU's caches; a loader's paged KV never does."""
+    dst = torch.ones(len(keys) * store.file_bytes, dtype=torch.uint8).numpy()
+
+    def run() -> None:
+        for i, key in enumerate(keys):
+            fd = os.open(store.path_of(key), os.O_RDONLY)
+            try:
+                os.preadv(fd, [dst[i * store.file_bytes:(i + 1) * store.file_bytes]], 0)
             finally:
                 os.close(fd)
     return run
@@ -163,9 +240,11 @@ def pe_load(worker: KVWorker, kv: dict[str, torch.Tensor], keys: list[bytes],
 
 @contextlib.contextmanager
 def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
-            keys: list[bytes], block_ids: list[int]) -> Iterator[Callable[[], None]]:
-    """The DE read path in one process: a staging service (side channel, slots, NIXL target)
-    and the prefill side's `PrefillRemote` over `kv`."""
+            keys: list[bytes], block_ids: list[int], stage_threads: int = 16,
+            ) -> Iterator[Callable[[], None]]:
+    """The DE read path in one process: a staging service (side channel, slots, NIXL target;
+    `stage_threads` store reads at a time) and the prefill side's `PrefillRemote` over
+    `kv`."""
     from dualpath.integrations.vllm.connector.remote import PrefillRemote
     from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
     from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
@@ -175,7 +254,8 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
     pool = StagingPool(SlotPool(None, store.full_block_bytes, len(keys)))
     target = NixlAgent(agent_name("bench-decode"), progress_thread=True)
     target.register([(pool.base, pool.num_slots * store.full_block_bytes)])
-    channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect)
+    channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect,
+                                read_threads=stage_threads)
     prefill = PrefillRemote(worker, kv)
 
     def run() -> None:
@@ -256,7 +336,8 @@ def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
 
 
 def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
-                root: Path, read_threads: int, device: str) -> list[dict[str, float | str]]:
+                root: Path, read_threads: int, device: str,
+                stage_threads: list[int]) -> list[dict[str, float | str]]:
     num_blocks = max(2, total_bytes // shape.full_block_bytes)
     nbytes = num_blocks * shape.full_block_bytes
     store = BlockStore(root / f"store-{shape.block_tokens}", shape.full_block_bytes,
@@ -268,20 +349,29 @@ def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
     worker.register(kv)  # as the connector does (`register_kv_caches`)
     rows: list[dict[str, float | str]] = []
 
-    def row(path: str, seconds: float) -> None:
+    def row(path: str, seconds: tuple[float, float]) -> None:
+        wall, cpu = seconds
         rows.append({"block_tokens": shape.block_tokens, "path": path,
-                     "gb": nbytes / GB, "s": seconds, "gb_per_s": nbytes / seconds / GB})
+                     "gb": nbytes / GB, "s": wall, "gb_per_s": nbytes / wall / GB,
+                     "cpu_s": cpu, "gb_per_cpu_s": nbytes / max(cpu, 1e-9) / GB})
 
-    row("plain read", median_s(plain_read(store, keys), repeats))
-    row("plain memcpy", median_s(plain_memcpy(nbytes), repeats))
+    row("plain read", measure(plain_read(store, keys), repeats))
+    row("plain read, each block its own place", measure(plain_read_spread(store, keys),
+                                                        repeats))
+    row("plain memcpy", measure(plain_memcpy(nbytes), repeats))
     if "pe" in paths:
-        row("PE load (KVWorker)", median_s(pe_load(worker, kv, keys, block_ids), repeats))
+        row("PE load (KVWorker)", measure(pe_load(worker, kv, keys, block_ids), repeats))
         check_pages(kv, store, keys, shape, block_ids)
-    if "de" in paths:
+        if device == "cpu":  # where the PE path's time goes: the reads, the checks
+            with ThreadPoolExecutor(read_threads) as pool:
+                row("  its reads alone (no CRC)",
+                    measure(read_in_place(store, kv, keys, block_ids, pool), repeats))
+                row("  its CRC32C alone", measure(crc_pages(kv, block_ids, pool), repeats))
+    for threads in stage_threads if "de" in paths else []:
         for layer in kv.values():
             layer.zero_()
-        with de_pull(store, worker, kv, keys, block_ids) as run:
-            row("DE staging pull", median_s(run, repeats))
+        with de_pull(store, worker, kv, keys, block_ids, threads) as run:
+            row(f"DE staging pull ({threads} stage reads)", measure(run, repeats))
         check_pages(kv, store, keys, shape, block_ids)
     return rows
 
@@ -385,6 +475,9 @@ def main() -> int:
                     "line (for benchmarks/gpu_check.py)")
     ap.add_argument("--read-threads", type=int, default=16, help="the PE path's parallel "
                     "store reads (KVWorker read_threads) (default: %(default)s)")
+    ap.add_argument("--stage-threads", default="16", help="DE path: the staging service's "
+                    "store reads in flight (its read_threads); comma-separated, a row each "
+                    "(default: %(default)s)")
     ap.add_argument("--pull-blocks", type=int, default=2048, help="DE pull: staged blocks "
                     "whose NIXL descriptors are timed (512 B pages, 64 layers); 0: skip "
                     "(default: %(default)s)")
@@ -406,23 +499,25 @@ def main() -> int:
             print(f"== {bt}-token blocks: page {shape.page_bytes >> 10} KiB, Full Block "
                   f"{shape.full_block_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)
             rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
-                                args.read_threads, args.device)
+                                args.read_threads, args.device,
+                                [int(x) for x in args.stage_threads.split(",")])
         router = router_cost(args.instances, args.waiting, root)
         pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \
             if "de" in paths and args.pull_blocks else 0.0
     print(f"70B-shaped KV (64 layers, {KV_HEADS // args.tp} KV heads per rank, head 128, "
           f"bf16) on {args.device}, {args.gb:g} GB per row, median of {args.repeats}, "
           f"torch threads {torch.get_num_threads()}, read threads {args.read_threads}\n")
-    print("| block | path | GB/s | of plain read | of plain memcpy |")
-    print("| --- | --- | --- | --- | --- |")
-    base: dict[tuple[object, str], float] = {(r["block_tokens"], str(r["path"])): float(
-        r["gb_per_s"]) for r in rows}
+    print("| block | path | GB/s | of plain read | of plain memcpy | GB per CPU-s | of plain "
+          "read's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    base = {(r["block_tokens"], str(r["path"])): r for r in rows}
     for r in rows:
         read = base[(r["block_tokens"], "plain read")]
         copy = base[(r["block_tokens"], "plain memcpy")]
-        rate = float(r["gb_per_s"])
-        print(f"| {r['block_tokens']} | {r['path']} | {rate:.2f} | {rate / read:.0%} | "
-              f"{rate / copy:.0%} |")
+        rate, per_cpu = float(r["gb_per_s"]), float(r["gb_per_cpu_s"])
+        print(f"| {r['block_tokens']} | {r['path']} | {rate:.2f} | "
+              f"{rate / float(read['gb_per_s']):.0%} | {rate / float(copy['gb_per_s']):.0%} | "
+              f"{per_cpu:.2f} | {per_cpu / float(read['gb_per_cpu_s']):.0%} |")
     if args.json:
         print(json.dumps({"device": args.device, "rows": rows, "router": router,
                           "pull_post_ms": pull_s * 1e3}))
