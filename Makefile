@@ -42,6 +42,9 @@ run: $(STAMP) $(COMPILED)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools $(wildcard benchmarks)
+	@# tests/ has no packages: two test files with one name break pytest's collection
+	@dup=$$(find tests -name '*.py' ! -name conftest.py -printf '%f\n' | sort | uniq -d); \
+	  if [ -n "$$dup" ]; then echo "test files share a name: $$dup"; exit 1; fi
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
