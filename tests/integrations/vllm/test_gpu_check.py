@@ -24,7 +24,7 @@ def test_the_dry_run_checks_every_step() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [line.split(":")[1].strip() for line in proc.stdout.splitlines()
              if line.startswith("dry run: ") and "ok (" not in line]
-    assert steps == ["bench", "pe", "pd_tp1", "pd_tp2"]
+    assert steps == ["unit", "bench", "pe", "pd_tp1", "pd_tp2"]
     assert "--cuda-graphs" in proc.stdout and "--device cuda" in proc.stdout
 
 

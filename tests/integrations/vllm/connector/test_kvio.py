@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError, pag
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.manifest import Shard
 
+KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",
           "model.layers.2.self_attn.attn"]
 NUM_BLOCKS, HEADS, BS, CH = 8, 2, 4, 6  # vLLM CPU: [blocks, kv heads, block size, 2 * head]
@@ -23,9 +25,10 @@ KEYS = block_keys(list(range(5 * BS)), BS)
 def paged(seed: int | None = None) -> dict[str, torch.Tensor]:
     """One paged KV tensor per layer, random (seeded) or zeros."""
     if seed is None:
-        return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+        return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH, device=KV_DEVICE) for n in LAYERS}
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(NUM_BLOCKS, HEADS, BS, CH, generator=g) for n in LAYERS}
+    return {n: torch.randn(NUM_BLOCKS, HEADS, BS, CH, generator=g).to(KV_DEVICE)
+            for n in LAYERS}
 
 
 def make(tmp_path: Path) -> KVWorker:
@@ -226,7 +229,7 @@ def vllm_views(layout: str, num_layers: int, num_blocks: int, heads: int, tokens
     for dim in reversed(LAYOUTS[layout]):
         strides[dim] = step
         step *= shape[dim]
-    raw = torch.zeros(step, dtype=torch.bfloat16)
+    raw = torch.zeros(step, dtype=torch.bfloat16, device=KV_DEVICE)
     if seed is not None:
         raw.copy_(torch.randn(step, generator=torch.Generator().manual_seed(seed)))
     view = torch.as_strided(raw, shape, strides)

@@ -42,6 +42,7 @@ from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool
 
+KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 NUM_BLOCKS, HEADS, BS, CH = 8, 2, 4, 6
 PAGE = HEADS * BS * CH * 4
@@ -50,7 +51,7 @@ KEYS = block_keys(list(range(6 * BS)), BS)
 
 
 def paged() -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+    return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH, device=KV_DEVICE) for n in LAYERS}
 
 
 def page_of(block: torch.Tensor, layer: int) -> torch.Tensor:
@@ -59,7 +60,8 @@ def page_of(block: torch.Tensor, layer: int) -> torch.Tensor:
 
 def same(page: torch.Tensor, expected: torch.Tensor) -> bool:
     """Byte equality (random bytes read as float32 hold NaNs, which torch.equal rejects)."""
-    return torch.equal(page.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
+    return torch.equal(page.cpu().contiguous().view(torch.uint8),
+                       expected.cpu().contiguous().view(torch.uint8))
 
 
 @dataclass

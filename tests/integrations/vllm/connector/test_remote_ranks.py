@@ -6,6 +6,7 @@ decode rank loads only its own: no rank ever gets another's heads."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.slots import SlotPool
 
 TP = 2
+KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 NUM_BLOCKS, HEADS, BS, CH = 8, 2, 4, 6  # HEADS per rank
 PAGE = HEADS * BS * CH * 4
@@ -73,7 +75,7 @@ def ranks(tmp_path: Path) -> Iterator[tuple[str, list[Rank]]]:
         target.register([(pool.base, pool.num_slots * FULL)])
         channel = DecodeSideChannel(shard.side_channel(f"127.0.0.1:{base}"), pool, store,
                                     target.metadata(), target.connect)
-        p_kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+        p_kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH, device=KV_DEVICE) for n in LAYERS}
         p_worker = KVWorker(store, LAYERS, PAGE, shard=shard)
         out.append(Rank(shard, stored, pool, channel, target, p_kv, p_worker,
                         PrefillRemote(p_worker, p_kv), KVWorker(store, LAYERS, PAGE,
@@ -91,7 +93,8 @@ def page_of(block: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def same(page: torch.Tensor, expected: torch.Tensor) -> bool:
-    return torch.equal(page.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
+    return torch.equal(page.cpu().contiguous().view(torch.uint8),
+                       expected.cpu().contiguous().view(torch.uint8))
 
 
 def test_each_rank_pulls_and_pushes_its_own_shard(ranks: tuple[str, list[Rank]]) -> None:
