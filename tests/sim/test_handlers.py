@@ -7,10 +7,12 @@ from sim_cases import BS, IO_BOUND, run_offline, tiny_cluster, trajectories
 
 from dualpath.core.analysis import analyze
 from dualpath.core.cluster import ClusterSpec
+from dualpath.core.errors import SpecError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.sched.params import derive_scheduler_params
-from dualpath.sim import Driver, SimConfig, SimParams, Workload
+from dualpath.sim import Driver, ReadDiscipline, SimConfig, SimParams, SimResult, Workload
+from dualpath.sim.config import FIFO
 from dualpath.sim.simulator import Simulator
 
 
@@ -169,3 +171,45 @@ def test_basic_reads_wait_for_pe_hbm_room_for_the_whole_prompt() -> None:
             assert room - largest < peak <= room  # the limit was reached, never passed
         else:
             assert peak == 0.0
+
+
+def _equal_reads_at_once(pe: ReadDiscipline, de: ReadDiscipline, mode: str) -> SimResult:
+    """Four turns of equal hits (one read each) sent together to a 1P1D cluster."""
+    wl = Workload.from_lists([[(BS * 200 + 10, BS * 200, 2)] for _ in range(4)])
+    r = run_offline(tiny_cluster(1, 1), wl, mode, params=SimParams(pe_reads=pe, de_reads=de))
+    assert (r.col("pe_assigned_s") == 0.0).all()  # every read queued at t = 0
+    return r
+
+
+def test_fifo_reads_one_request_after_another_shared_reads_them_together() -> None:
+    """The storage NIC's read discipline: under `fifo` equal reads queued together end one
+    read's time apart; under `shared` they split the NIC and end together, at the time FIFO
+    ends its last; `max_in_flight` bounds how many share it."""
+    t = _equal_reads_at_once(FIFO, FIFO, "basic").col("read_done_s")
+    one = float(t[0])
+    assert one > 0
+    assert t.tolist() == pytest.approx([one, 2 * one, 3 * one, 4 * one], rel=1e-9)
+    shared = _equal_reads_at_once(ReadDiscipline("shared"), FIFO, "basic").col("read_done_s")
+    assert shared.tolist() == pytest.approx([4 * one] * 4, rel=1e-9)
+    pairs = _equal_reads_at_once(ReadDiscipline("shared", 2), FIFO, "basic").col("read_done_s")
+    assert sorted(pairs.tolist()) == pytest.approx([2 * one] * 2 + [4 * one] * 2, rel=1e-9)
+
+
+def test_pe_and_de_storage_nics_keep_their_own_read_discipline() -> None:
+    r = _equal_reads_at_once(ReadDiscipline("shared"), FIFO, "dualpath")
+    pe = r.col("pe_read_tokens") > 0
+    assert 0 < int(pe.sum()) < 4  # both sides read
+    t = r.col("read_done_s")
+    one = float(t.min())
+    assert sorted(t[~pe].tolist()) == pytest.approx(
+        [one * k for k in range(1, int((~pe).sum()) + 1)], rel=1e-9)  # DE: one after another
+    assert t[pe].tolist() == pytest.approx([one * int(pe.sum())] * int(pe.sum()), rel=1e-9)
+
+
+def test_read_discipline_refuses_unknown_kinds_and_a_bounded_fifo() -> None:
+    with pytest.raises(SpecError, match="kind"):
+        ReadDiscipline("lifo")
+    with pytest.raises(SpecError, match="max_in_flight"):
+        ReadDiscipline("fifo", 4)
+    assert ReadDiscipline("fifo", 1).num_slots == 1
+    assert ReadDiscipline("shared").num_slots == 0

@@ -12,7 +12,7 @@ Module map (the pipeline is the file list):
     flows.py      links and flows; weighted max-min rates on tight links, recomputed locally
     workload.py   turns as numpy arrays: Table-2 agents, hand-made lists, Mooncake traces
     config.py     frozen SimConfig: cluster, Mode (sched.mode), SimParams, Driver, seed
-    state.py      run-time Req, Node (storage-NIC FIFO, DRAM, buffer), Engine (CNIC, HBM),
+    state.py      run-time Req, Node (storage-NIC read server, DRAM, buffer), Engine (CNIC, HBM),
                   prefill and decode groups, the TTFT log
     policy.py     the adapter around dualpath.sched's Scheduler (never a policy of its own)
     cluster.py    the topology a SimConfig describes: nodes, engines, links, engine groups
@@ -27,6 +27,7 @@ from dualpath.sim.config import (
     MODE_PRESETS,
     Driver,
     Mode,
+    ReadDiscipline,
     SimConfig,
     SimParams,
     mode_preset,
@@ -40,6 +41,7 @@ __all__ = [
     "RECORD_FIELDS",
     "Driver",
     "Mode",
+    "ReadDiscipline",
     "ResourceUsage",
     "SimConfig",
     "SimParams",

@@ -17,9 +17,51 @@ from dualpath.sched.profiled import ProfiledCosts
 from dualpath.sim.workload import Workload
 
 DRIVERS = ("offline", "online", "replay")
+READ_DISCIPLINES = ("fifo", "shared")
 
 # `Mode` is shared with the runtime (`dualpath.sched.mode`); re-exported for existing imports.
-__all__ = ["DRIVERS", "MODE_PRESETS", "Driver", "Mode", "SimConfig", "SimParams", "mode_preset"]
+__all__ = ["DRIVERS", "FIFO", "MODE_PRESETS", "READ_DISCIPLINES", "Driver", "Mode",
+           "ReadDiscipline", "SimConfig", "SimParams", "mode_preset"]
+
+
+@dataclass(frozen=True)
+class ReadDiscipline:
+    """How a node's storage NIC serves the requests whose hit KV it reads: a property of the
+    engine's reader, not of the NIC.
+
+    `fifo`: one request's read at a time, at the NIC's whole rate, in queue order (the paper's
+    read queue; an engine that hands a request's blocks to a shared pool of reader threads in
+    arrival order, so its blocks are all queued before the next request's). `shared`: up to
+    `max_in_flight` requests' reads at once, the NIC's rate divided among them (processor
+    sharing: an engine that reads each of several requests one block at a time on a thread of
+    its own, so their blocks take turns on the NIC)."""
+
+    kind: str = "fifo"
+    max_in_flight: int = 0
+    """`shared`: requests read at once per node (0: no bound); `fifo` takes none."""
+
+    def __post_init__(self) -> None:
+        o = "sim.params.read_discipline"
+        if self.kind not in READ_DISCIPLINES:
+            raise SpecError(o, "kind", self.kind, f"must be one of {', '.join(READ_DISCIPLINES)}")
+        non_negative_int(o, "max_in_flight", self.max_in_flight)
+        if self.kind == "fifo" and self.max_in_flight not in (0, 1):
+            raise SpecError(o, "max_in_flight", self.max_in_flight,
+                            "fifo reads one request at a time (0 or 1)")
+
+    @property
+    def num_slots(self) -> int:
+        """Requests a node reads at once: 1 for `fifo`; 0 means no bound."""
+        return 1 if self.kind == "fifo" else self.max_in_flight
+
+    def describe(self) -> str:
+        if self.kind == "fifo":
+            return "fifo"
+        return f"shared ({self.max_in_flight or 'any number of'} requests at once)"
+
+
+FIFO = ReadDiscipline()
+"""The paper's read queue (the default)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +96,11 @@ class SimParams:
     """The same on the decode side, where the shard is also read once per decode step. 0: every
     decode engine of the cluster (a cluster scaled out as copies of a small unit keeps the
     unit's count instead)."""
+
+    pe_reads: ReadDiscipline = FIFO
+    """How the prefill nodes' storage NICs serve their requests' reads (PE-side reads)."""
+    de_reads: ReadDiscipline = FIFO
+    """How the decode nodes' storage NICs serve their requests' reads (DE-side reads)."""
 
     is_next_turn_after_persist: bool = False
     """An agent's next turn arrives only once the finished turn's new Full Blocks are in

@@ -2,7 +2,7 @@
 event handlers (paper Fig. 4 and §4.2).
 
     arrive -> sched.submit -> _dispatch_de / _dispatch_pe        both engines bound (sched)
-      -> _start_reads -> _next_read (storage NIC FIFO) -> _read_done
+      -> _start_reads -> _next_read (storage NIC read server) -> _read_done
       -> _try_prefill (one step per prefill group) -> _step_part_done -> _prefill_done
       -> _next_copy (DE buffer -> HBM) -> _join_decode -> _decode_event -> _finish
          (-> _persist of the new Full Blocks; the agent's next turn arrives)
@@ -258,19 +258,26 @@ class Handlers:
             self._read_done(req)
 
     def _next_read(self, nd: Node) -> None:
-        """FIFO server: one read at a time at the storage NIC's (calibrated) read rate; a read
-        starts only when the node buffer has room for it (or the buffer is empty). Without
-        layerwise prefill a PE-side read lands in its engine's HBM, so it also waits for room
-        there (`_first_hbm_fit`); reads of engines with room go first meanwhile."""
-        if nd.is_reading or not nd.read_fifo:
-            return
+        """The node's read server (`Node.read_slots`): queued reads start in queue order while
+        a slot is free, each a flow at the storage NIC's (calibrated) read rate, so reads in
+        flight together share it (one slot, the `fifo` discipline: one read at a time at the
+        whole rate). A read starts only when the node buffer has room for it (or the buffer is
+        empty). Without layerwise prefill a PE-side read lands in its engine's HBM, so it also
+        waits for room there (`_first_hbm_fit`); reads of engines with room go first
+        meanwhile."""
+        while nd.read_fifo and nd.can_start_read():
+            if not self._start_read(nd):
+                return
+
+    def _start_read(self, nd: Node) -> bool:
+        """Start the node's next read that may start (`_next_read`); False if none may."""
         pick = self._first_hbm_fit(nd) if self.is_hbm_gated and nd.is_prefill else 0
         if pick < 0:
-            return  # retried when a request of this node leaves its PE's HBM
+            return False  # retried when a request of this node leaves its PE's HBM
         req, tokens = nd.read_fifo[pick]
         nbytes = tokens * self.kv_bpt
         if nd.buffer_used_bytes > 0 and nd.buffer_used_bytes + nbytes > nd.buffer_bytes:
-            return  # retried when the buffer frees
+            return False  # retried when the buffer frees
         if pick == 0:
             nd.read_fifo.popleft()
         else:
@@ -280,7 +287,7 @@ class Handlers:
             req.pe_held_bytes = req.prompt_tokens * self.kv_bpt
             pe.held_kv_bytes += req.pe_held_bytes
             pe.peak_held_kv_bytes = max(pe.peak_held_kv_bytes, pe.held_kv_bytes)
-        nd.is_reading = True
+        nd.num_reading += 1
         nd.take_buffer(nbytes)
         links: list[tuple[Link, float]] = [(nd.snic_read, 1.0), (nd.dram, 1.0)]
         storage_link = self.cluster.storage_link
@@ -288,7 +295,7 @@ class Handlers:
             links.append((storage_link, 1.0))
 
         def done() -> None:
-            nd.is_reading = False
+            nd.num_reading -= 1
             nd.read_q_tokens -= tokens
             if not nd.is_prefill:
                 self.de_read_q[nd.idx] = nd.read_q_tokens
@@ -299,6 +306,7 @@ class Handlers:
             self._next_read(nd)
 
         self.net.start(Flow(links, nbytes, done))
+        return True
 
     def _first_hbm_fit(self, nd: Node) -> int:
         """Index of the first queued read whose PE has HBM room for the request's whole KV
@@ -328,7 +336,7 @@ class Handlers:
 
     def _free_buffer(self, nd: Node, nbytes: float) -> None:
         nd.buffer_used_bytes -= nbytes
-        if nd.read_fifo and not nd.is_reading:
+        if nd.read_fifo and nd.can_start_read():
             self._next_read(nd)
 
     def _read_done(self, req: Req) -> None:

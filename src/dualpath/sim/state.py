@@ -94,7 +94,10 @@ class Req:
 
 
 class Node:
-    """One node: its storage NIC (a FIFO read server plus a write direction), DRAM, buffer."""
+    """One node: its storage NIC (a read server plus a write direction), DRAM, buffer.
+
+    The read server starts a queued read while fewer than `read_slots` are in flight (0: no
+    bound); reads in flight share the NIC as flows. One slot is the paper's FIFO read queue."""
 
     __slots__ = (
         "buffer_bytes",
@@ -104,16 +107,17 @@ class Node:
         "engines",
         "idx",
         "is_prefill",
-        "is_reading",
+        "num_reading",
         "read_fifo",
         "read_q_tokens",
+        "read_slots",
         "read_tokens_total",
         "snic_read",
         "snic_write",
     )
 
     def __init__(self, idx: int, is_prefill: bool, engines: list[int], snic_read: Link,
-                 snic_write: Link, dram: Link, buffer_bytes: float) -> None:
+                 snic_write: Link, dram: Link, buffer_bytes: float, read_slots: int = 1) -> None:
         self.idx = idx
         self.is_prefill = is_prefill
         self.engines = engines
@@ -127,7 +131,13 @@ class Node:
         self.read_q_tokens = 0
         """Tokens queued or being read on this node's storage NIC (the scheduler's read_q)."""
         self.read_tokens_total = 0
-        self.is_reading = False
+        self.read_slots = read_slots
+        self.num_reading = 0
+        """Reads in flight on this node's storage NIC."""
+
+    def can_start_read(self) -> bool:
+        """Whether the read server has a free slot."""
+        return self.read_slots == 0 or self.num_reading < self.read_slots
 
     def take_buffer(self, nbytes: float) -> None:
         self.buffer_used_bytes += nbytes

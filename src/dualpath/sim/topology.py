@@ -95,7 +95,7 @@ class Cluster:
         self.dgroup_index = {e: gi for gi, grp in enumerate(self.dgroups) for e in grp.engines}
 
     def _build_nodes(self, config: SimConfig, snic_read_bytes_per_s: float, bin_s: float) -> None:
-        cl, hw = config.cluster, self.hw
+        cl, hw, sp = config.cluster, self.hw, config.params
         g = hw.gpus_per_node
         cnic = self.cnic_bytes_per_s
         for n in range(cl.num_nodes):
@@ -108,6 +108,7 @@ class Cluster:
                 self._link(f"n{n}.dram", "pe_dram" if is_pf else "de_dram", n,
                            hw.dram_bytes_per_s, bin_s),
                 float(hw.dram_buffer_bytes),
+                (sp.pe_reads if is_pf else sp.de_reads).num_slots,
             )
             self.nodes.append(node)
             side = "pe" if is_pf else "de"
