@@ -13,13 +13,17 @@ Goal (issue 31): each speedup over Basic within 10%, each JCT within 20%.
 Run: `.venv/bin/python benchmarks/sim_vs_real.py` (about 3.5 minutes per repeat on 2 cores;
 `--repeats`, `--agents`, `--modes`, `--profile`, `--out`).
 
-`--vllm PROFILE` runs the vLLM half instead: `benchmarks/vllm_pd_bench.py` (1P1D, its
-defaults: 4 agents whose turn 2 reads 7 stored blocks through emulated 0.1 Gb/s storage NICs,
-all sent at once; medians of its repeats) in `.venv-vllm`, against `dualpath simulate`'s engine
-on the vLLM profile (`dualpath profile --engine vllm`) with the same turns: each agent one turn
-of the bench's turn-2 prompt (tokenized here with SmolLM2's tokenizer in ChatML, the 8-token
-reply counted as 8), its stored prefix as the hit the bench's router reported, 8 tokens
-generated, all at t = 0. Mean TTFT and JCT per mode, and each mode's ratio to Basic.
+`--vllm PROFILE` runs the vLLM half instead: `benchmarks/vllm_pd_bench.py` (1P1D unless
+`--prefill` / `--decode`; its defaults: 4 agents whose turn 2 reads 7 stored blocks through
+emulated 0.1 Gb/s storage NICs, all sent at once, background loads; medians of its repeats) in
+`.venv-vllm`, against `dualpath simulate`'s engine on the vLLM profile (`dualpath profile
+--engine vllm`) with the same turns: each agent one turn of the bench's turn-2 prompt
+(tokenized here with SmolLM2's tokenizer in ChatML, the 8-token reply counted as 8), its stored
+prefix as the hit the bench's router reported, 8 tokens generated, all at t = 0. The storage
+NICs serve reads as the profile's `run.storage_reads` says (the connector's read paths); the
+table also shows the simulation with `fifo` reads on both sides (the paper's read queue). Mean
+TTFT and JCT per mode, and each mode's ratio to Basic. `--bench-json FILE` takes the real half
+from an earlier run's output (e.g. `docs/runs/`) instead of running it.
 """
 
 from __future__ import annotations
@@ -66,14 +70,17 @@ def vllm_half(args: argparse.Namespace) -> int:
     """The storage-bound vLLM P/D benchmark against the simulator on the vLLM profile."""
     from dualpath.experiments.step_profile import load_profile
     from dualpath.sim import Driver, SimConfig, Workload, mode_preset, simulate
+    from dualpath.sim.config import FIFO
 
     prof = load_profile(args.vllm)
     vllm_py = Path(".venv-vllm/bin/python")
     cmd = [str(vllm_py), str(Path(__file__).resolve().parent / "vllm_pd_bench.py"),
            "--agents", str(args.agents), "--repeats", str(args.repeats),
+           "--prefill", str(args.prefill), "--decode", str(args.decode),
            "--storage-read-gbps", f"{prof.run['storage_nic_bytes_per_s'] * 8 / 1e9:g}"]
     if args.bench_json is not None:
         bench = json.loads(args.bench_json.read_text(encoding="utf-8"))
+        bench = bench.get("bench", bench)  # this script's own output holds the bench's
     else:
         print("running " + " ".join(cmd), file=sys.stderr, flush=True)
         started = time.perf_counter()
@@ -84,6 +91,13 @@ def vllm_half(args: argparse.Namespace) -> int:
         print(f"bench: {time.perf_counter() - started:.0f} s wall, clean {bench['clean']}",
               file=sys.stderr, flush=True)
     args.agents, args.repeats = bench["agents"], bench["repeats"]
+    num_p, num_d = int(bench.get("prefill", 1)), int(bench.get("decode", 1))
+    pe_reads, de_reads = prof.read_disciplines()
+    is_async = bench.get("loads", "async") == "async"
+    if (pe_reads.kind == "shared") != is_async:
+        sys.exit(f"{args.vllm}: storage reads {pe_reads.describe()} on the PE side, but the bench "
+                 f"ran with {bench.get('loads')} loads: profile with --loads "
+                 f"{bench.get('loads')}")
     modes = list(bench["median"])
     block = int(prof.run["block_size"])
     full_block_bytes = block * int(prof.model["kv_bytes_per_token"])
@@ -92,13 +106,21 @@ def vllm_half(args: argparse.Namespace) -> int:
     prompt = _bench_prompt_tokens("basic-0-0", 30)
     workload = Workload.from_lists([[(prompt, hit_tokens, 8)] for _ in range(args.agents)])
     kw = prof.sim_kwargs()
-    base = SimConfig(prof.cluster(1, 1), workload, driver=Driver(num_agents=args.agents), **kw)
+    base = SimConfig(prof.cluster(num_p, num_d), workload,
+                     driver=Driver(num_agents=args.agents), **kw)
+    fifo = replace(base, params=replace(base.params, pe_reads=FIFO, de_reads=FIFO))
     rows = []
     sim: dict[str, dict[str, float]] = {}
+    sim_fifo: dict[str, dict[str, float]] = {}
+    ttfts: dict[str, list[float]] = {}
     for m in modes:
         res = simulate(replace(base, mode=mode_preset(m)))
         sim[m] = {"ttft_s": float(res.ttft_s.mean()),
                   "jct_s": float(res.trajectory_jct_s().mean())}
+        ttfts[m] = [round(float(t), 3) for t in sorted(res.ttft_s)]
+        res = simulate(replace(fifo, mode=mode_preset(m)))
+        sim_fifo[m] = {"ttft_s": float(res.ttft_s.mean()),
+                       "jct_s": float(res.trajectory_jct_s().mean())}
     for m in modes:
         real = bench["median"][m]
         rows.append({"mode": m, **{f"real_{k}": real[k] for k in ("ttft_s", "jct_s")},
@@ -107,16 +129,25 @@ def vllm_half(args: argparse.Namespace) -> int:
                      "sim_ttft_ratio": sim[m]["ttft_s"] / sim["basic"]["ttft_s"],
                      "real_jct_ratio": real["jct_s"] / bench["median"]["basic"]["jct_s"],
                      "sim_jct_ratio": sim[m]["jct_s"] / sim["basic"]["jct_s"]})
-    lines = [f"vLLM 1P1D, {args.agents} agents, prompt {prompt} tokens, hit {hit_tokens}, 8 "
-             f"generated; real: medians of {args.repeats} (clean {bench['clean']})", "",
-             "| mode | real TTFT s | sim TTFT s | error | real JCT s | sim JCT s | error | "
-             "real / sim TTFT ratio to basic | real / sim JCT ratio to basic |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        r["sim_fifo_ttft_s"] = sim_fifo[r["mode"]]["ttft_s"]
+        r["sim_fifo_jct_s"] = sim_fifo[r["mode"]]["jct_s"]
+    lines = [f"vLLM {num_p}P{num_d}D, {args.agents} agents, prompt {prompt} tokens, hit "
+             f"{hit_tokens}, 8 generated; real: medians of {args.repeats} (clean "
+             f"{bench['clean']}); sim reads: PE {pe_reads.describe()}, DE {de_reads.describe()}",
+             "", "| mode | real TTFT s | sim TTFT s | error | sim fifo | real JCT s | sim JCT s | "
+             "error | sim fifo | real / sim TTFT ratio to basic | real / sim JCT ratio to basic |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def err(sim_s: float, real_s: float, tol: float) -> str:
+        return f"{sim_s / real_s - 1:+.0%}" + ("" if abs(sim_s / real_s - 1) <= tol else " (miss)")
+
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['real_ttft_s']:.2f} | {r['sim_ttft_s']:.2f} | "
-            f"{r['sim_ttft_s'] / r['real_ttft_s'] - 1:+.0%} | {r['real_jct_s']:.2f} | "
-            f"{r['sim_jct_s']:.2f} | {r['sim_jct_s'] / r['real_jct_s'] - 1:+.0%} | "
+            f"{err(r['sim_ttft_s'], r['real_ttft_s'], 0.2)} | {r['sim_fifo_ttft_s']:.2f} | "
+            f"{r['real_jct_s']:.2f} | {r['sim_jct_s']:.2f} | "
+            f"{err(r['sim_jct_s'], r['real_jct_s'], 0.2)} | {r['sim_fifo_jct_s']:.2f} | "
             f"{r['real_ttft_ratio']:.2f} / {r['sim_ttft_ratio']:.2f} | "
             f"{r['real_jct_ratio']:.2f} / {r['sim_jct_ratio']:.2f} |")
     table = "\n".join(lines)
@@ -125,7 +156,9 @@ def vllm_half(args: argparse.Namespace) -> int:
     (args.out / "sim_vs_vllm.json").write_text(json.dumps({
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(sys.argv), "profile": str(args.vllm), "bench": bench,
-        "sim": sim, "rows": rows, "prompt_tokens": prompt, "hit_tokens": hit_tokens,
+        "sim": sim, "sim_fifo": sim_fifo, "sim_ttfts_s": ttfts, "rows": rows,
+        "sim_reads": {"pe": pe_reads.describe(), "de": de_reads.describe()},
+        "prompt_tokens": prompt, "hit_tokens": hit_tokens,
     }, indent=1) + "\n", encoding="utf-8")
     (args.out / "sim_vs_vllm.md").write_text(table + "\n", encoding="utf-8")
     return 0
@@ -144,6 +177,10 @@ def main() -> int:
     ap.add_argument("--vllm", type=Path, metavar="PROFILE",
                     help="the vLLM half: vllm_pd_bench.py against this vLLM profile "
                     "(--agents default 4, --repeats 2 there)")
+    ap.add_argument("--prefill", type=int, default=1, metavar="N",
+                    help="with --vllm: prefill instances (default: %(default)s)")
+    ap.add_argument("--decode", type=int, default=1, metavar="N",
+                    help="with --vllm: decode instances (default: %(default)s)")
     ap.add_argument("--bench-json", type=Path, metavar="FILE",
                     help="with --vllm: vllm_pd_bench.py's output of an earlier run (not run "
                     "again)")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from dualpath.experiments.step_profile import (
+    Profile,
     ProfileFileError,
     build_profile,
     fit_costs,
@@ -18,7 +19,8 @@ from dualpath.experiments.step_profile import (
     write_profile,
 )
 from dualpath.sched.profiled import ProfiledCosts
-from dualpath.sim import Driver, SimConfig, simulate
+from dualpath.sim import Driver, ReadDiscipline, SimConfig, simulate
+from dualpath.sim.config import FIFO
 from dualpath.sim.workload import Workload
 
 TRUE = ProfiledCosts(4e-4, 1e-3, 2e-5, 8e-8, 2e-6, 3e-4, 9e-4, 2e-6)
@@ -89,12 +91,46 @@ def test_written_file_reads_back(tmp_path: Path) -> None:
     (lambda d: d["measured"]["decode"][2].update(seconds=0), "'measured.decode[2].seconds'"),
     (lambda d: d["engine"].update(kind="sglang"), "'engine.kind'"),
     (lambda d: d.pop("run"), "'run'"),
+    (lambda d: d["run"].update(storage_reads={"pe": {"discipline": "lifo"},
+                                              "de": {"discipline": "fifo"}}),
+     "'run.storage_reads.pe'"),
+    (lambda d: d["run"].update(storage_reads={"pe": {"discipline": "fifo"}}),
+     "'run.storage_reads.de'"),
+    (lambda d: d["run"].update(storage_reads={"pe": {"discipline": "shared", "max_in_flight": -1},
+                                              "de": {"discipline": "fifo"}}),
+     "'run.storage_reads.pe.max_in_flight'"),
 ])
 def test_bad_field_is_named(edit: Any, field: str) -> None:
     data = copy.deepcopy(_profile())
     edit(data)
     with pytest.raises(ProfileFileError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_profile(data, "p.json")
+
+
+def test_storage_reads_reach_the_simulation(tmp_path: Path) -> None:
+    """A profile's `run.storage_reads` sets each side's read discipline (absent: fifo): four
+    equal reads at once end together on a shared PE NIC, one after another on a fifo one."""
+    data = _profile()
+    assert _load(data, tmp_path).read_disciplines() == (FIFO, FIFO)
+    data["run"]["storage_reads"] = {"pe": {"discipline": "shared", "max_in_flight": 4},
+                                    "de": {"discipline": "fifo"}, "why": "test"}
+    prof = _load(data, tmp_path)
+    assert prof.read_disciplines() == (ReadDiscipline("shared", 4), FIFO)
+    wl = Workload.from_lists([[(1024 + 8, 1024, 2)] for _ in range(4)])
+    done = {}
+    for name, kw in (("shared", prof.sim_kwargs()),
+                     ("fifo", _load(_profile(), tmp_path).sim_kwargs())):
+        res = simulate(SimConfig(prof.cluster(1, 1), wl, driver=Driver(num_agents=4),
+                                 **kw).with_mode("basic"))
+        done[name] = sorted(res.col("read_done_s").tolist())
+    assert done["shared"] == pytest.approx([done["fifo"][-1]] * 4, rel=1e-9)
+    assert done["fifo"][0] == pytest.approx(done["fifo"][-1] / 4, rel=1e-9)
+
+
+def _load(data: dict[str, Any], tmp_path: Path) -> Profile:
+    path = tmp_path / "p.json"
+    write_profile(path, data)
+    return load_profile(path)
 
 
 def test_unreadable_and_non_json_files(tmp_path: Path) -> None:

@@ -10,12 +10,18 @@ scheduler's quota and beta), so a simulation of that cluster needs nothing else:
      "machine": {...}, "engine": {"kind": "dualpath-runtime", ...},
      "model": {"name", "num_layers", "hidden_size", ..., "kv_bytes_per_token"},
      "run": {"storage_nic_bytes_per_s", "compute_nic_bytes_per_s", "engines_per_node",
-             "hbm_bytes", "dram_buffer_bytes", "block_size", "compute_quota_s", "beta_tokens"},
+             "hbm_bytes", "dram_buffer_bytes", "block_size", "compute_quota_s", "beta_tokens",
+             "storage_reads": {"pe": {"discipline", "max_in_flight"}, "de": {...}, "why"}},
      "measured": {"prefill": [{"cached", "new", "batch", "seconds"}, ...],
                   "decode": [{"batch", "context", "seconds"}, ...],
                   "rates": {"memory_copy", "store_write", "store_read"}},
      "fit": {"prefill_fixed_s", ..., "per_context_token_s",
              "prefill_median_error", "decode_median_error"}}
+
+`run.storage_reads` (optional; absent: `fifo` on both sides) says how the engine's reader
+serves the requests whose hits a node's storage NIC reads (`dualpath.sim.ReadDiscipline`): the
+PE side's reads on a prefill node, the DE side's on a decode node. It comes from how the
+engine issues its reads, never from a compared run.
 
 A bad file is one line naming the file and the field (`ProfileFileError`).
 """
@@ -33,13 +39,13 @@ import numpy as np
 import numpy.typing as npt
 
 from dualpath.core.cluster import ClusterSpec
-from dualpath.core.errors import DualPathError
+from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.hardware import HardwareSpec, hardware_preset
 from dualpath.core.model import ModelSpec, dense_gqa_spec
 from dualpath.core.storage import NOMINAL
 from dualpath.sched.params import SchedulerParams, alpha_tokens_of
 from dualpath.sched.profiled import ProfiledCosts
-from dualpath.sim.config import SimParams
+from dualpath.sim.config import FIFO, ReadDiscipline, SimParams
 
 FORMAT = "dualpath-profile"
 VERSION = 1
@@ -181,18 +187,29 @@ class Profile:
             compute_quota_s=float(r["compute_quota_s"]),
         )
 
+    def read_disciplines(self) -> tuple[ReadDiscipline, ReadDiscipline]:
+        """How the engine's reader serves a prefill node's and a decode node's storage NIC
+        (`run.storage_reads`; absent: `fifo`, the paper's read queue, on both)."""
+        reads = self.data["run"].get("storage_reads")
+        if reads is None:
+            return FIFO, FIFO
+        return _discipline(self.path, reads, "pe"), _discipline(self.path, reads, "de")
+
     def sim_kwargs(self) -> dict[str, Any]:
         """`SimConfig` fields that make a simulation run this profile's cluster: the measured
         costs, the run's scheduler constants, its block size, no HBM reserve (the engine
         memory is already what is left for KV), storage read at the line rate (the runtime
-        paces its storage NICs at exactly that rate), and an agent's next turn only once the
-        last one is persisted (the runtime reports a turn done after persisting its blocks)."""
+        paces its storage NICs at exactly that rate) with the engine's read disciplines, and
+        an agent's next turn only once the last one is persisted (the runtime reports a turn
+        done after persisting its blocks)."""
         r = self.data["run"]
+        pe_reads, de_reads = self.read_disciplines()
         return {
             "step_costs": self.costs,
             "scheduler": self.scheduler_params(),
             "params": SimParams(block_size_tokens=int(r["block_size"]), hbm_reserve_fraction=0.0,
-                                storage_read=NOMINAL, is_next_turn_after_persist=True),
+                                storage_read=NOMINAL, is_next_turn_after_persist=True,
+                                pe_reads=pe_reads, de_reads=de_reads),
         }
 
     def describe(self) -> str:
@@ -212,6 +229,19 @@ def _need(path: str, obj: Any, where: str, kind: type | tuple[type, ...]) -> Any
         name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise ProfileFileError(f"{path}: field {where!r}: must be a {name}, got {obj!r}")
     return obj
+
+
+def _discipline(path: str, reads: Any, side: str) -> ReadDiscipline:
+    """`run.storage_reads.<side>` as a `ReadDiscipline`; a bad one names the field."""
+    where = f"run.storage_reads.{side}"
+    entry = _need(path, _need(path, reads, "run.storage_reads", dict).get(side), where, dict)
+    kind = _need(path, entry.get("discipline"), f"{where}.discipline", str)
+    limit = int(_number(path, entry, where, "max_in_flight", integer=True)) \
+        if "max_in_flight" in entry else 0
+    try:
+        return ReadDiscipline(kind, limit)
+    except SpecError as exc:
+        raise ProfileFileError(f"{path}: field {where!r}: {exc}") from None
 
 
 def _number(path: str, obj: dict[str, Any], section: str, name: str, *,
@@ -248,6 +278,9 @@ def parse_profile(data: Any, path: str = "<profile>") -> Profile:
         _number(path, data["model"], "model", name, integer=True, positive=True)
     for name in _RUN_NUM:
         _number(path, data["run"], "run", name, integer=name in _RUN_INT, positive=True)
+    if "storage_reads" in data["run"]:
+        for side in ("pe", "de"):
+            _discipline(path, data["run"]["storage_reads"], side)
     meas = data["measured"]
     for name, keys in (("prefill", ("cached", "new", "batch", "seconds")),
                        ("decode", ("batch", "context", "seconds"))):

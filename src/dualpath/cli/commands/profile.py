@@ -73,6 +73,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     v.add_argument("--staging-blocks", type=int, default=64, metavar="N",
                    help="a decode node's staging buffer in Full Blocks (default: %(default)s, "
                    "vllm_pd_bench.py's)")
+    v.add_argument("--loads", choices=("sync", "async"), default="async",
+                   help="the prefill instances' loads (the connector's async_loads), which set "
+                   "how a prefill node's storage NIC serves its requests' reads in the "
+                   "simulation: async, a thread per request, shared; sync, in request order, "
+                   "fifo (default: %(default)s, vllm_pd_bench.py's)")
     # What `dualpath run`'s buffer sizing reads, at its defaults.
     p.set_defaults(func=run, agents=8, max_len=1536, temperature=0.0, seed=0)
 
@@ -209,6 +214,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 
     from dualpath.core.model import model_from_hf_config
     from dualpath.experiments.step_profile import build_profile, fit_costs
+    from dualpath.integrations.vllm.connector.plan import storage_read_disciplines
     from dualpath.integrations.vllm.profiler import (
         QUICK_VLLM_GRID,
         ServerArgs,
@@ -297,7 +303,8 @@ def run_vllm(args: argparse.Namespace) -> int:
              "compute_quota_s": quota,
              "compute_quota": f"the fitted pass of max_num_batched_tokens "
                               f"{args.max_num_batched_tokens} new tokens",
-             "beta_tokens": float(DEFAULT_BETA_TOKENS)},
+             "beta_tokens": float(DEFAULT_BETA_TOKENS),
+             "storage_reads": storage_read_disciplines(args.loads == "async")},
         prefill=m.prefill, decode=m.decode, rates={"memory_copy": copy_rate},
     )
     print(_written(out, data) + f"; KV {kv:.0f} B/token, vLLM block "

@@ -8,7 +8,12 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
+from dualpath.integrations.vllm.connector.plan import (
+    BACKGROUND_LOAD_THREADS,
+    Planner,
+    namespace_key,
+    storage_read_disciplines,
+)
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)
@@ -188,3 +193,14 @@ def test_with_several_ranks_a_loading_step_saves_nothing_of_its_request(
     assert [s.block_ids for s in one.saves] == [(5, 6, 7)] and next_one.saves == []
     assert len(two.loads) == 1 and two.saves == []
     assert [s.block_ids for s in next_two.saves] == [(5, 6, 7)]
+
+
+def test_storage_read_disciplines_follow_the_load_mode() -> None:
+    """What a vLLM profile records for the simulator: background loads share a prefill node's
+    NIC among as many requests as the loader has threads; in-step loads and the decode side's
+    stages are served in order."""
+    background = storage_read_disciplines(True)
+    assert background["pe"] == {"discipline": "shared",
+                                "max_in_flight": BACKGROUND_LOAD_THREADS}
+    assert background["de"] == {"discipline": "fifo"}
+    assert storage_read_disciplines(False)["pe"] == {"discipline": "fifo"}

@@ -137,6 +137,31 @@ class XferLoad:
     block_ids: tuple[int, ...]
 
 
+BACKGROUND_LOAD_THREADS = 4
+"""Threads of a prefill worker's background loads per read path (`remote.AsyncLoader`): each
+reads one request's blocks one after another, so this many requests share the path's NIC."""
+
+
+def storage_read_disciplines(async_loads: bool) -> dict[str, object]:
+    """How this connector's reads serve the requests whose hits a node's storage NIC reads, as
+    a profile's `run.storage_reads` (`dualpath.sim.ReadDiscipline`'s kinds).
+
+    PE side: background loads (`async_loads`) give each of up to `BACKGROUND_LOAD_THREADS`
+    requests a thread that reads its blocks one at a time, so their blocks take turns on the
+    NIC (`shared`); in-step loads hand every block of the step to one pool in request order
+    (`fifo`). DE side: the decode node's side channel hands a stage's blocks to one pool of
+    the node, all at once, in the order the stages arrive (`fifo`)."""
+    pe: dict[str, object] = ({"discipline": "shared", "max_in_flight": BACKGROUND_LOAD_THREADS}
+                             if async_loads else {"discipline": "fifo"})
+    return {
+        "pe": pe, "de": {"discipline": "fifo"},
+        "why": ("PE: " + ("background loads, a thread per request reading its blocks in turn "
+                          f"({BACKGROUND_LOAD_THREADS} threads)" if async_loads else
+                          "in-step loads, a step's blocks to one reader pool in request order")
+                + "; DE: a stage's blocks to the node's one reader pool, stages in arrival order"),
+    }
+
+
 @dataclass
 class StepPlan:
     """What the worker does in one engine step: loads before the layers run, saves after."""
