@@ -5,9 +5,10 @@ What only a GPU can show (`docs/vllm.md`, "GPU deployment"), checked with a smal
 folder), bf16, 16-token blocks, CUDA graphs on (vLLM makes them PIECEWISE for the connector):
 
 0. `unit`: the connector's unit tests (`test_kvio.py`, `test_remote.py`,
-   `test_remote_ranks.py`) with their paged KV on the GPU (`DUALPATH_TEST_DEVICE=cuda`):
-   pinned staging, the batched H2D copies and `index_copy_`, the CUDA event before a push,
-   NIXL's VRAM registration and READs/WRITEs into VRAM, 70B-shaped FlashAttention layouts.
+   `test_remote_ranks.py`, `test_digest.py`) with their paged KV on the GPU
+   (`DUALPATH_TEST_DEVICE=cuda`): pinned staging, the batched H2D copies and `index_copy_`,
+   the CUDA event and the on-GPU digest of a push, NIXL's VRAM registration and
+   READs/WRITEs into VRAM, 70B-shaped FlashAttention layouts.
    Needs torch, nixl and pytest, no vLLM.
 1. `bench`: `connector_bench.py --device cuda`: GB/s of the PE load path (store -> pinned
    staging -> one H2D copy and one `index_copy_` per layer) and of the DE staging pull (NIXL
@@ -39,7 +40,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STEPS = ("unit", "bench", "pe", "pd")
-UNIT_TESTS = ("test_kvio.py", "test_remote.py", "test_remote_ranks.py")
+UNIT_TESTS = (
+    "test_kvio.py", "test_remote.py", "test_remote_ranks.py", "test_digest.py")
 """The connector tests whose paged KV `DUALPATH_TEST_DEVICE` puts on the GPU (no vLLM needed)."""
 
 

@@ -82,7 +82,8 @@ def test_the_payload_does_not_depend_on_the_physical_stride_order(tmp_path: Path
     a = worker.store.path_of(KEYS[0]).read_bytes()
     b = other.store.path_of(KEYS[0]).read_bytes()
     assert a == b
-    dst = {n: torch.zeros(HEADS, NUM_BLOCKS, BS, CH).permute(1, 0, 2, 3) for n in LAYERS}
+    dst = {n: torch.zeros(HEADS, NUM_BLOCKS, BS, CH, device=KV_DEVICE).permute(1, 0, 2, 3)
+           for n in LAYERS}
     load_step(other, dst, BlockTransfer("b", 0, (4,), (KEYS[0],)))
     assert all(torch.equal(dst[n][4], src[n][3]) for n in LAYERS)
 
@@ -181,7 +182,8 @@ def test_two_tensor_parallel_ranks_on_one_store_each_get_their_own_shard_back(
     (with one file per block key, the first writer won and the other rank got its heads)."""
     tp = 2
     g = torch.Generator().manual_seed(7)
-    model_kv = {n: torch.randn(NUM_BLOCKS, HEADS * tp, BS, CH, generator=g) for n in LAYERS}
+    model_kv = {n: torch.randn(NUM_BLOCKS, HEADS * tp, BS, CH, generator=g).to(KV_DEVICE)
+                for n in LAYERS}
     workers, ranks_kv = [], []
     for rank in range(tp):
         store = BlockStore(tmp_path / "store", len(LAYERS) * PAGE_BYTES, is_durable=False)

@@ -123,7 +123,7 @@ def test_each_rank_pulls_and_pushes_its_own_shard(ranks: tuple[str, list[Rank]])
             for block_id, block in zip((5, 1, 6), r.stored, strict=True):
                 assert same(r.p_kv[name][block_id], page_of(block, i))
     for r, tail in zip(rs, tails, strict=True):  # each decode rank: its own four blocks
-        kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+        kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH, device=KV_DEVICE) for n in LAYERS}
         remote = DecodeRemote(r.d_worker, r.pool)
         load = StepPlan(xfer_loads=[XferLoad("x", "r", 0, (0, 3, 4, 7))])
         r.d_worker.bind(load)
@@ -160,7 +160,7 @@ def test_a_gpu_ranks_paged_kv_is_registered_as_vram_on_its_device() -> None:
 
 def test_a_stale_pushed_slot_is_a_load_error_not_wrong_kv(
         ranks: tuple[str, list[Rank]]) -> None:
-    """The prefill worker commits each pushed block's CRC32C; a slot whose bytes are not what
+    """The prefill worker commits each pushed block's digest; a slot whose bytes are not what
     it wrote (a WRITE that raced the GPU, a slot reused) fails the decode worker's check, and
     the request is recomputed from that block."""
     de, (r, _) = ranks
@@ -177,7 +177,7 @@ def test_a_stale_pushed_slot_is_a_load_error_not_wrong_kv(
     (_, second) = r.pool.lookup(r.shard.xfer("y"), [0, 1])
     assert second is not None
     r.pool.view(second)[PAGE + 17] ^= 0xFF  # layer 1's page of block 1, after the commit
-    kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
+    kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH, device=KV_DEVICE) for n in LAYERS}
     remote = DecodeRemote(r.d_worker, r.pool)
     load = StepPlan(xfer_loads=[XferLoad("y", "q", 0, (6, 7))])
     r.d_worker.bind(load)

@@ -32,11 +32,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-import crc32c
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from dualpath.integrations.vllm.connector.digest import block_digests, matches
 from dualpath.integrations.vllm.connector.kvio import (
     KVWorker,
     paged_kv_bases,
@@ -326,21 +326,13 @@ class PrefillRemote:
             self._push_slots[p.req_id] = slots
             self._push_indices[p.req_id] = indices
 
-    def _push_crcs(self, p: Push) -> dict[int, int] | None:
-        """The CRC32C of each pushed Full Block (its pages in layer order, as written), for
-        the decode worker to check: a stale or damaged slot becomes a load error there, never
-        wrong KV. None on a GPU (the pages are not in host memory; the CUDA event before each
-        WRITE is the guard there)."""
-        if any(layer.is_cuda for layer in self._layers):
-            return None
-        crcs = {}
-        for index, (block_id, _) in zip(self._push_indices.get(p.req_id, ()),
-                                        self._push_slots.get(p.req_id, ()), strict=True):
-            crc = 0
-            for layer in self._layers:
-                crc = crc32c.crc32c(layer[block_id].view(torch.uint8).numpy().data, crc)
-            crcs[index] = crc
-        return crcs
+    def _push_crcs(self, p: Push) -> dict[int, int]:
+        """The digest of each pushed Full Block (`digest.block_digests`: a CRC32C of host
+        pages, a word sum computed on the GPU for GPU pages), for the decode worker to check:
+        a stale or damaged slot becomes a load error there, never wrong KV."""
+        indices = list(self._push_indices.get(p.req_id, ()))
+        block_ids = [block_id for block_id, _ in self._push_slots.get(p.req_id, ())]
+        return dict(zip(indices, block_digests(self._layers, block_ids), strict=True))
 
     def _push_failed(self, p: Push, e: Exception) -> None:
         self._push_slots.pop(p.req_id, None)
@@ -527,7 +519,7 @@ class DecodeRemote:
                     self.kv.report_load_error(x.req_id, block_id)
                     break
                 view = self.pool.view(slot)
-                if crc is not None and crc32c.crc32c(view.numpy().data) != crc:
+                if crc is not None and not matches(view, crc):
                     self.kv.remote_error(x.req_id, "checksum", f"block {x.first_block + ok}: "
                                          "its slot does not hold what the prefill wrote")
                     self.kv.report_load_error(x.req_id, block_id)

@@ -81,7 +81,8 @@ class SideChannelClient:
         return self.call(Alloc(xfer, tuple(blocks)), Slots).slots
 
     def commit(self, xfer: str, crcs: Mapping[int, int] | None = None) -> None:
-        """`crcs`: block index -> the CRC32C of the Full Block written into its slot."""
+        """`crcs`: block index -> the digest of the Full Block written into its slot
+        (`connector.digest`)."""
         blocks = tuple(crcs or ())
         self.call(Commit(xfer, blocks, tuple((crcs or {})[b] for b in blocks)), Done)
 

@@ -108,8 +108,8 @@ class StagingPool:
             x.staged.update(blocks)
 
     def commit(self, xfer: str, crcs: Mapping[int, int] | None = None) -> None:
-        """The pushed blocks of `xfer` are complete (`crcs`: block index -> the CRC32C of its
-        slot's bytes as written, checked by the reader)."""
+        """The pushed blocks of `xfer` are complete (`crcs`: block index -> the digest of its
+        slot's bytes as written, `connector.digest`, checked by the reader)."""
         with self._lock:
             x = self._xfers.get(xfer)
             if x is None or x.is_released:

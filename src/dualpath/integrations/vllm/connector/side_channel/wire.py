@@ -71,9 +71,10 @@ class Alloc(_OfBlocks):
 
 @dataclass(frozen=True)
 class Commit(_OfXfer):
-    """The prefill worker's writes into `xfer`'s slots are complete. `crcs[i]`: the CRC32C of
-    the Full Block it wrote for `blocks[i]` (the pages it read from its paged KV), which the
-    decode worker checks before loading the slot (none from a GPU worker)."""
+    """The prefill worker's writes into `xfer`'s slots are complete. `crcs[i]`: the digest of
+    the Full Block it wrote for `blocks[i]` (`connector.digest`: a CRC32C of host pages, a word
+    sum computed on the GPU of GPU pages), which the decode worker checks before loading the
+    slot."""
 
     blocks: tuple[int, ...] = ()
     crcs: tuple[int, ...] = ()
