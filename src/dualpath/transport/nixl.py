@@ -208,6 +208,23 @@ class NixlAgent:
             self.agent.register_memory([(a, n, device, "") for a, n in regions], mem_type)
             self._regions.extend(Region(a, n, mem_type, device) for a, n in regions)
 
+    def deregister(self, regions: Sequence[tuple[int, int]], mem_type: str = "DRAM",
+                   device: int = 0) -> None:
+        """Deregister `(address, bytes)` regions registered by `register` (their memory may
+        then be freed); a region not registered is skipped."""
+        with self.lock:
+            for address, num_bytes in regions:
+                region = Region(address, num_bytes, mem_type, device)
+                if region not in self._regions:
+                    continue
+                try:
+                    self.agent.deregister_memory(self.agent.get_reg_descs(
+                        [(address, num_bytes, device, "")], mem_type))
+                except Exception as e:  # NIXL's own error types
+                    raise TransferError(f"NIXL cannot deregister [{address:#x}, +{num_bytes})"
+                                        f" ({type(e).__name__}: {e})") from None
+                self._regions.remove(region)
+
     def register_tensors(self, tensors: Iterable[Any]) -> None:
         """Register each tensor's bytes once (tensors sharing a storage address count once):
         a CUDA tensor as `VRAM` on its device, any other as `DRAM`."""
@@ -313,6 +330,15 @@ class NixlAgent:
             prepped = Prepped(handle, peer, len(addresses), entry_bytes, mem_type)
             self._prepped.append(prepped)
         return prepped
+
+    def release(self, prepped: Prepped) -> None:
+        """Release a list `prep` made (before the memory it names is deregistered)."""
+        with self.lock:
+            kept = [p for p in self._prepped if p is not prepped]
+            if len(kept) < len(self._prepped):
+                self._prepped = kept
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(prepped.handle)
 
     def _local_types(self, addresses: npt.NDArray[np.uint64], entry_bytes: int,
                      devices: npt.NDArray[np.uint64]) -> str:

@@ -24,6 +24,7 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.launch import free_port
+from dualpath.integrations.vllm.connector import remote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
@@ -41,6 +42,7 @@ from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeS
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool
+from dualpath.transport.transfer_error import TransferError
 
 KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -77,8 +79,10 @@ class Pair:
     d_worker: KVWorker
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
+@pytest.fixture(params=["direct", "bounce"])
+def pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """Every test of the pair runs both ways: NIXL into and out of the paged KV itself, and
+    through pinned host bounce buffers (a GPU node without GPUDirect RDMA; forced here)."""
     store = BlockStore(tmp_path / "store", FULL, is_durable=False)
     g = torch.Generator().manual_seed(1)
     stored = []
@@ -92,7 +96,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     channel = DecodeSideChannel("127.0.0.1:0", pool, store, d_link.metadata(), d_link.connect)
     p_kv = paged()
     p_worker = KVWorker(store, LAYERS, PAGE)
-    prefill = PrefillRemote(p_worker, p_kv)
+    prefill = PrefillRemote(p_worker, p_kv, host_bounce=request.param == "bounce")
     d_worker = KVWorker(store, LAYERS, PAGE)
     yield Pair(store, stored, pool, channel, d_link, p_kv, p_worker, prefill, d_worker)
     prefill.close()
@@ -244,6 +248,118 @@ def test_a_restarted_decode_node_is_reached_at_its_new_agent(pair: Pair) -> None
     for i, name in enumerate(LAYERS):
         for block_id, block in zip((4, 6), p.stored[:2], strict=True):
             assert same(p.p_kv[name][block_id], page_of(block, i))
+
+
+def test_the_host_bounce_is_on_by_default_only_for_gpu_kv(pair: Pair) -> None:
+    prefill = PrefillRemote(pair.p_worker, pair.p_kv)
+    try:
+        assert prefill.host_bounce == (KV_DEVICE.type == "cuda")
+    finally:
+        prefill.close()
+
+
+@pytest.mark.parametrize("pair", ["bounce"], indirect=True)
+def test_bounce_buffers_are_registered_once_and_reused_across_steps(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = pair
+    de = p.channel.address
+    registered: list[int] = []
+    register = p.prefill.link.register
+
+    def counted(regions: list[tuple[int, int]], *args: object) -> None:
+        registered.append(len(regions))
+        register(regions, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(p.prefill.link, "register", counted)
+
+    def step(n: int) -> None:
+        computed = {2: torch.randint(0, 255, (FULL,), dtype=torch.uint8)}
+        plan = StepPlan(
+            remote_loads=[RemoteLoad(f"x{n}", de, BlockTransfer("r", 0, (5, 1, 6),
+                                                               tuple(KEYS[:3])))],
+            pushes=[Push(f"x{n}", de, "r", (3,), (5, 1, 6, 2), hit_blocks=3)])
+        prefill_step(p, plan, computed)
+        assert p.p_worker.take_load_errors() == set()
+        for i, name in enumerate(LAYERS):
+            for block_id, block in zip((5, 1, 6), p.stored, strict=True):
+                assert same(p.p_kv[name][block_id], page_of(block, i))
+        kv = decode_step(p, XferLoad(f"x{n}", "r", 3, (7,)))
+        assert p.d_worker.take_load_errors() == set()
+        for i, name in enumerate(LAYERS):
+            assert same(kv[name][7], page_of(computed[2], i))
+        for name in LAYERS:
+            p.p_kv[name].zero_()
+
+    step(0)
+    assert len(registered) == 2  # the pulls' buffer and the pushes'
+    step(1)
+    step(2)
+    assert len(registered) == 2  # reused, not registered again
+    assert p.p_worker.counters.pulled_blocks == 9 and p.p_worker.counters.pushed_blocks == 3
+
+
+@pytest.mark.parametrize("pair", ["bounce"], indirect=True)
+def test_a_failed_read_through_the_bounce_is_a_load_error(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = pair
+    de = p.channel.address
+    post = p.prefill.link.post_prepped
+
+    class Failed:
+        def wait(self, timeout_s: float = 0) -> int:
+            raise TransferError("NIXL READ with the decode node failed (ERR_REMOTE_DISCONNECT)")
+
+    def failing(op: str, *args: object) -> object:
+        pending = post(op, *args)  # type: ignore[arg-type]
+        if op == "READ" and pending is not None:
+            pending.wait()  # the bytes land; the batch reports an error all the same
+            return Failed()
+        return pending
+
+    monkeypatch.setattr(p.prefill.link, "post_prepped", failing)
+    plan = StepPlan(remote_loads=[
+        RemoteLoad("x", de, BlockTransfer("r", 0, (5, 1), tuple(KEYS[:2]))),
+        RemoteLoad("y", de, BlockTransfer("s", 0, (6,), (KEYS[2],)))])
+    prefill_step(p, plan, {})
+    assert p.p_worker.take_load_errors() == {5, 6}  # each request from its first block
+    assert p.p_worker.counters.remote_errors == 2 * len(LAYERS)
+    monkeypatch.setattr(p.prefill.link, "post_prepped", post)
+    plan = StepPlan(remote_loads=[RemoteLoad("z", de, BlockTransfer("r", 0, (3, 4),
+                                                                    tuple(KEYS[:2])))])
+    prefill_step(p, plan, {})  # the same buffer, fine again
+    assert p.p_worker.take_load_errors() == set()
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((3, 4), p.stored[:2], strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+
+
+@pytest.mark.parametrize("pair", ["bounce"], indirect=True)
+def test_a_background_pull_bounces_in_chunks_and_keeps_the_chunks_before_a_failure(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = pair
+    de = p.channel.address
+    monkeypatch.setattr(remote, "BOUNCE_CHUNK_BYTES", 2 * FULL)  # two blocks at a time
+    assert p.prefill.pull_whole(RemoteLoad("x", de, BlockTransfer(
+        "r", 0, (5, 1, 6), tuple(KEYS[:3])))) == 3
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((5, 1, 6), p.stored, strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+    post = p.prefill.link.post_prepped
+    calls: list[str] = []
+
+    def second_fails(op: str, *args: object) -> object:
+        calls.append(op)
+        if len(calls) == 2:
+            raise TransferError("NIXL READ could not start (ERR_BACKEND)")
+        return post(op, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(p.prefill.link, "post_prepped", second_fails)
+    assert p.prefill.pull_whole(RemoteLoad("y", de, BlockTransfer(
+        "r", 0, (2, 3, 4), tuple(KEYS[:3])))) == 2  # the first chunk's blocks
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((2, 3), p.stored[:2], strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+    assert p.p_worker.counters.remote_errors == 1
 
 
 def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:

@@ -17,6 +17,15 @@ share).
 staging buffer (staged or committed, under the request's `xfer`), `inject(layer)` copies layer
 `l`'s pages into the paged KV, `flush()` frees the request's slots.
 
+Without GPUDirect RDMA (no RDMA NIC, or no GDR), UCX has no transport that moves host memory
+into or out of VRAM: it emulates such a READ or WRITE over TCP (0.63-0.68 GB/s on an H200 node,
+against 2.2-3.2 GB/s host to host there). So a GPU worker bounces by default (`host_bounce`):
+its pulls READ into a registered pinned host buffer, layer-major, and `inject(layer)` copies
+the layer's rows into the paged KV (one host-to-device copy, one `index_copy_`:
+`kvio.scatter_pages`); its pushes gather each layer's pages into such a buffer (one
+`index_select`, one device-to-host copy: `kvio.gather_pages`) and WRITE from there. The
+direct path (NIXL straight into and out of VRAM) is for GPUDirect nodes.
+
 Failures never cost a wrong token: a block that did not arrive (stage read error, side channel
 down, NIXL error, expired slot) is a load error of the request from that block on, and vLLM
 recomputes it (`kv_load_failure_policy="recompute"`); a push that fails leaves the decode
@@ -30,7 +39,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +49,7 @@ import torch
 from dualpath.integrations.vllm.connector.digest import block_digests, matches
 from dualpath.integrations.vllm.connector.kvio import (
     KVWorker,
+    gather_pages,
     paged_kv_bases,
     scatter_pages,
     wait_for_device,
@@ -63,14 +74,125 @@ from dualpath.transport.transfer_error import TransferError
 Indices = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 """Per layer (rows), the entries of a batch in the local and the remote prepared list."""
 
+BOUNCE_CHUNK_BYTES = 1 << 29
+"""A background pull through the host (`PrefillRemote.pull_whole`) bounces at most this many
+bytes at a time (a request's whole hit would pin as much host memory as it has KV)."""
+
+
+@dataclass
+class Bounce:
+    """A pinned host buffer registered with NIXL, layer-major: per layer, `rows` pages
+    (`buf[l, r]`), and its prepared list (entry of layer l, row r: `l * rows + r`)."""
+
+    buf: torch.Tensor
+    """uint8 [layers, rows, page_bytes]."""
+    prepped: Prepped
+    rows: int
+    event: Any = None
+    """A CUDA event after the last copies out of it (waited for before it is refilled)."""
+
+    def entries(self, first_row: int, n: int) -> npt.NDArray[np.int64]:
+        """Per layer, the entries of rows `[first_row, first_row + n)`."""
+        layers = np.arange(self.buf.shape[0], dtype=np.int64)[:, None] * self.rows
+        return layers + np.arange(first_row, first_row + n, dtype=np.int64)[None, :]
+
+
+def _bounce_rows(n: int) -> int:
+    """A buffer size for `n` rows: the next 2**k or 3 * 2**(k-2) (sizes repeat, at most a
+    third unused)."""
+    if n <= 2:
+        return max(1, n)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= n else power
+
+
+class BouncePool:
+    """`Bounce` buffers taken whole and given back: each is registered with NIXL and its
+    list prepared once, when made; the largest `max_kept` free ones are kept."""
+
+    def __init__(self, link: NixlAgent, num_layers: int, page_bytes: int, pinned: bool,
+                 max_kept: int = 2 + BACKGROUND_LOAD_THREADS) -> None:
+        self.link = link
+        self.num_layers = num_layers
+        self.page_bytes = page_bytes
+        self.pinned = pinned
+        self.max_kept = max_kept
+        self._free: list[Bounce] = []
+        self._lock = threading.Lock()
+        self.num_made = 0
+        """Buffers made (each a NIXL registration and a prepared list)."""
+
+    def take(self, rows: int) -> Bounce:
+        """A buffer of at least `rows` rows (the smallest free one that fits, else a new one),
+        its earlier copies done."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.rows >= rows]
+            b = self._free.pop(min(fits, key=lambda i: self._free[i].rows)) if fits else None
+        if b is None:
+            return self._make(_bounce_rows(rows))
+        if b.event is not None:
+            b.event.synchronize()
+            b.event = None
+        return b
+
+    def give(self, b: Bounce, device_tensor: torch.Tensor | None = None) -> None:
+        """Give `b` back; `device_tensor`: a GPU tensor whose stream may still copy out of
+        `b` (an event recorded now is waited for before `b` is taken again)."""
+        if device_tensor is not None and device_tensor.is_cuda:
+            b.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            b.event.record(torch.cuda.current_stream(device_tensor.device))
+        with self._lock:
+            self._free.append(b)
+            drop = None
+            if len(self._free) > self.max_kept:  # keep the largest
+                drop = self._free.pop(min(range(len(self._free)),
+                                          key=lambda i: self._free[i].rows))
+        if drop is not None:
+            self._drop(drop)
+
+    def _make(self, rows: int) -> Bounce:
+        nbytes = self.num_layers * rows * self.page_bytes
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        address = int(buf.data_ptr())
+        self.link.register([(address, nbytes)])
+        try:
+            prepped = self.link.prep(np.uint64(address) + np.arange(
+                self.num_layers * rows, dtype=np.uint64) * np.uint64(self.page_bytes),
+                self.page_bytes)
+        except TransferError:
+            self.link.deregister([(address, nbytes)])
+            raise
+        with self._lock:
+            self.num_made += 1
+        return Bounce(buf.view(self.num_layers, rows, self.page_bytes), prepped, rows)
+
+    def _drop(self, b: Bounce) -> None:
+        if b.event is not None:
+            b.event.synchronize()
+        self.link.release(b.prepped)
+        with contextlib.suppress(TransferError):
+            self.link.deregister([(int(b.buf.data_ptr()), b.buf.numel())])
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for b in free:
+            self._drop(b)
+
 
 class PrefillRemote:
     """DE-side pulls and pushes of a prefill worker over NIXL. Its descriptors are prepared
     once: every page of the paged KV (at registration: about 0.2 s per million pages, not in
-    a forward) and every page of each decode node's staging slots (at first contact); a pull
-    or push names entries of them by index."""
+    a forward) or, through the host (`host_bounce`), every page of each bounce buffer (when
+    it is made), and every page of each decode node's staging slots (at first contact); a
+    pull or push names entries of them by index.
 
-    def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    `host_bounce`: pulls and pushes go through pinned host buffers (`BouncePool`) instead of
+    NIXL moving the paged KV's own pages; None (the default): where the paged KV is on a GPU
+    (without GPUDirect RDMA, UCX emulates a transfer between host and VRAM over TCP)."""
+
+    def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor],
+                 host_bounce: bool | None = None) -> None:
         self.kv = kv
         self.page_bytes = kv.page_bytes
         self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
@@ -82,14 +204,31 @@ class PrefillRemote:
         self._num_blocks = counts
         self._remotes: dict[str, tuple[Prepped, int]] = {}
         """decode side channel -> its staging slots' prepared list and the buffer's address."""
+        is_cuda = any(layer.is_cuda for layer in self._layers)
+        self.host_bounce = is_cuda if host_bounce is None else host_bounce
         self.link = NixlAgent(agent_name("prefill"))
-        self.link.register_tensors(b.span for b in self._bases)
-        self._local = self.link.prep(np.concatenate([
-            np.uint64(b.address) + np.arange(count, dtype=np.uint64)
-            * np.uint64(b.block_stride_bytes)
-            for b, count in zip(self._bases, counts, strict=True)]), self.page_bytes)
-        """Every layer's page of every block of the paged KV (entry of layer l, block b:
-        `_first_entry[l] + b`)."""
+        self._local: Prepped | None = None
+        """Direct: every layer's page of every block of the paged KV (entry of layer l, block
+        b: `_first_entry[l] + b`)."""
+        self._bounces: BouncePool | None = None
+        if self.host_bounce:
+            self._bounces = BouncePool(self.link, len(self._bases), self.page_bytes,
+                                       pinned=is_cuda)
+        else:
+            self.link.register_tensors(b.span for b in self._bases)
+            self._local = self.link.prep(np.concatenate([
+                np.uint64(b.address) + np.arange(count, dtype=np.uint64)
+                * np.uint64(b.block_stride_bytes)
+                for b, count in zip(self._bases, counts, strict=True)]), self.page_bytes)
+        self._pull_bounce: Bounce | None = None
+        """The step's pulls, through the host: their pages, row j for `_pull_ids[j]`."""
+        self._pull_ids: list[int] = []
+        self._push_bounce: Bounce | None = None
+        """The step's pushes, through the host: rows in `_push_slots` order."""
+        self._push_ids: list[int] = []
+        self._index: dict[str, torch.Tensor] = {}
+        """"pull" / "push" -> the step's `_pull_ids` / `_push_ids` as a tensor on the KV's
+        device."""
         self._peers: dict[tuple[str, int], SideChannelClient] = {}
         """(decode side channel, thread) -> a connection (a background load's long `stage`
         never holds up the engine thread's pushes)."""
@@ -152,9 +291,11 @@ class PrefillRemote:
         pages = np.arange(layers, dtype=np.uint64)[None, :] * np.uint64(n)
         return self.link.prep((np.uint64(address) + slots + pages).ravel(), n, peer=agent)
 
-    def _entries(self, de: str, pairs: Sequence[tuple[int, int]]) -> Indices:
+    def _entries(self, de: str, pairs: Sequence[tuple[int, int]],
+                 bounce: Bounce | None = None, first_row: int = 0) -> Indices:
         """Per layer, the entries of each (vLLM block id, staging slot address) pair's page
-        in the local and in `de`'s prepared list."""
+        in the local list (the paged KV's, or `bounce`'s rows from `first_row` on) and in
+        `de`'s."""
         with self._lock:
             _, base = self._remotes[de]
         block_ids = np.fromiter((b for b, _ in pairs), dtype=np.int64, count=len(pairs))
@@ -164,19 +305,31 @@ class PrefillRemote:
             raise TransferError(f"slot addresses or block ids outside {de}'s staging buffer "
                                 "or this worker's paged KV")
         layers = np.arange(len(self._bases), dtype=np.int64)[:, None]
-        return self._first_entry[:, None] + block_ids, slots * len(self._bases) + layers
+        local = bounce.entries(first_row, len(pairs)) if bounce is not None \
+            else self._first_entry[:, None] + block_ids
+        return local, slots * len(self._bases) + layers
 
-    def _post(self, op: str, de: str, peer: str, entries: Indices,
-              layers: slice) -> Pending | None:
+    def _post(self, op: str, de: str, peer: str, entries: Indices, layers: slice,
+              bounce: Bounce | None = None) -> Pending | None:
         """Start `op` of `entries`' pages of `layers` with the decode node `de` (agent
-        `peer`)."""
+        `peer`), `bounce`'s rows or the paged KV's pages here."""
         local, remote = entries
         with self._lock:
             slots_list, _ = self._remotes[de]
         if slots_list.peer != peer:
             raise TransferError(f"decode node {de}: its NIXL agent changed")
-        return self.link.post_prepped(op, self._local, local[layers].ravel(),
+        local_list = bounce.prepped if bounce is not None else self._local
+        assert local_list is not None
+        return self.link.post_prepped(op, local_list, local[layers].ravel(),
                                       slots_list, remote[layers].ravel())
+
+    def _ids(self, name: str, ids: list[int]) -> torch.Tensor:
+        """`ids` as an index tensor on the paged KV's device (once per step and kind)."""
+        t = self._index.get(name)
+        if t is None:
+            t = self._index[name] = torch.tensor(ids, dtype=torch.int64,
+                                                 device=self._layers[0].device)
+        return t
 
     def _stage_args(self, r: RemoteLoad) -> tuple[str, int, tuple[bytes, ...]]:
         """A `stage` of `r` in this rank's names: its transfer and its shard's keys (the
@@ -198,17 +351,26 @@ class PrefillRemote:
 
     def pull_whole(self, r: RemoteLoad) -> int:
         """A background DE-side load: stage, then one NIXL READ of every layer's page of every
-        staged block into the paged KV, waited for; returns the blocks loaded (a prefix)."""
+        staged block into the paged KV (through the host: into a bounce buffer, a chunk at a
+        time, then copied), waited for; returns the blocks loaded (a prefix)."""
         t = r.blocks
         ok = 0
         try:
             client, peer = self._peer(r.de)
             slots = client.stage(*self._stage_args(r)).slots
             pairs = list(zip(t.block_ids, slots, strict=False))
-            pending = self._post("READ", r.de, peer, self._entries(r.de, pairs), slice(None))
-            if pending is not None:
-                pending.wait()
-            ok = len(slots)
+            if self._bounces is not None:
+                ok = self._pull_whole_bounced(r.de, peer, pairs)
+            else:
+                pending = self._post("READ", r.de, peer, self._entries(r.de, pairs),
+                                     slice(None))
+                if pending is not None:
+                    pending.wait()
+                ok = len(slots)
+        except _Partial as e:
+            ok = e.ok
+            self.kv.remote_error(t.req_id, "pull", str(e.error), thread=threading.get_ident())
+            self._drop_peer(r.de)
         except (SideChannelError, TransferError, OSError) as e:
             self.kv.remote_error(t.req_id, "pull", str(e), thread=threading.get_ident())
             self._drop_peer(r.de)
@@ -217,13 +379,67 @@ class PrefillRemote:
                            "first_block": t.first_block, "blocks": len(t.block_ids), "ok": ok})
         return ok
 
+    def _pull_whole_bounced(self, de: str, peer: str, pairs: list[tuple[int, int]]) -> int:
+        """`pull_whole`'s READ through a bounce buffer, `BOUNCE_CHUNK_BYTES` at a time, each
+        chunk's rows then copied into the paged KV (on a stream of its own on a GPU); returns
+        the blocks loaded, or raises `_Partial` with those loaded before a failure."""
+        assert self._bounces is not None
+        if not pairs:
+            return 0
+        chunk = max(1, BOUNCE_CHUNK_BYTES // self.kv.full_block_bytes)
+        bounce = self._bounces.take(min(len(pairs), chunk))
+        first = self._layers[0]
+        stream = torch.cuda.Stream(first.device) if first.is_cuda else None  # type: ignore[no-untyped-call]
+        ok = 0
+        try:
+            for start in range(0, len(pairs), chunk):
+                part = pairs[start:start + chunk]
+                pending = self._post("READ", de, peer, self._entries(de, part, bounce),
+                                     slice(None), bounce)
+                if pending is not None:
+                    pending.wait()
+                ids = torch.tensor([b for b, _ in part], dtype=torch.int64,
+                                   device=first.device)
+                with torch.cuda.stream(stream) if stream is not None \
+                        else contextlib.nullcontext():
+                    for i, layer in enumerate(self._layers):
+                        scatter_pages(layer, ids, bounce.buf[i, :len(part)])
+                if stream is not None:
+                    stream.synchronize()
+                ok += len(part)
+        except (SideChannelError, TransferError, OSError) as e:
+            if not ok:
+                raise
+            raise _Partial(ok, e) from None
+        finally:
+            self._bounces.give(bounce)
+        return ok
+
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
+        self._give_bounces()
         self._reads.clear()
         self._writes = []
         self._push_slots = {}
         self._push_indices = {}
         self._push_entries = {}
+
+    def _give_bounces(self) -> None:
+        """The last step's bounce buffers back to the pool (once its READs, waited for by
+        `inject`, are over; the copies out of them may still be queued on the GPU)."""
+        for reads in self._reads.values():  # a step that did not inject every layer
+            for _, pending in reads:
+                with contextlib.suppress(TransferError):
+                    pending.wait()
+        if self._bounces is not None:
+            if self._pull_bounce is not None:
+                self._bounces.give(self._pull_bounce, self._layers[0])
+            if self._push_bounce is not None:
+                self._bounces.give(self._push_bounce)
+        self._pull_bounce = self._push_bounce = None
+        self._pull_ids = []
+        self._push_ids = []
+        self._index = {}
 
     def request_stages(self) -> None:
         """Ask each decode node to stage the step's DE-side hits, without waiting: its
@@ -240,6 +456,10 @@ class PrefillRemote:
         """Stage (if `request_stages` did not) and start pulling every `RemoteLoad` (after the
         store loads of the step): one NIXL READ per layer, waited for by `inject`."""
         requested, self._requested = self._requested, set()
+        if self._bounces is not None and self._plan.remote_loads:
+            self._pull_bounce = self._bounces.take(
+                sum(len(r.blocks.block_ids) for r in self._plan.remote_loads))
+        bounce = self._pull_bounce
         for r in self._plan.remote_loads:
             t = r.blocks
             try:
@@ -252,9 +472,13 @@ class PrefillRemote:
                     self.note_failure(t.req_id, t.first_block)
                     continue
                 slots = list(reply.slots)
-                entries = self._entries(r.de, list(zip(t.block_ids, slots, strict=False)))
+                pairs = list(zip(t.block_ids, slots, strict=False))
+                entries = self._entries(r.de, pairs, bounce, len(self._pull_ids))
+                if bounce is not None:  # its rows, whatever happens to the READs
+                    self._pull_ids += [b for b, _ in pairs]
                 for i in range(len(self._bases)):
-                    pending = self._post("READ", r.de, peer, entries, slice(i, i + 1))
+                    pending = self._post("READ", r.de, peer, entries, slice(i, i + 1),
+                                         bounce)
                     if pending is not None:
                         self._reads[i].append((t.req_id, pending))
             except (SideChannelError, TransferError, OSError) as e:
@@ -271,7 +495,9 @@ class PrefillRemote:
                                "ok": ok})
 
     def inject(self, layer_name: str) -> None:
-        """Wait for layer `layer_name`'s pulls (before that layer runs)."""
+        """Wait for layer `layer_name`'s pulls (before that layer runs); through the host,
+        then copy the layer's rows into its paged KV (a failed READ's rows too: those blocks
+        are recomputed)."""
         i = self._layer_index[layer_name]
         for req_id, pending in self._reads.pop(i, ()):
             try:
@@ -281,6 +507,9 @@ class PrefillRemote:
                 first = next(r for r in self._plan.remote_loads if r.blocks.req_id == req_id)
                 self.kv.report_load_error(req_id, first.blocks.block_ids[0])
                 self.note_failure(req_id, first.blocks.first_block)
+        if self._pull_bounce is not None and self._pull_ids:
+            scatter_pages(self._layers[i], self._ids("pull", self._pull_ids),
+                          self._pull_bounce.buf[i, :len(self._pull_ids)])
 
     def capture(self, layer_name: str) -> None:
         """Push layer `layer_name`'s pages of the step's pushes (after its attention)."""
@@ -289,7 +518,13 @@ class PrefillRemote:
         i = self._layer_index[layer_name]
         if i == 0:
             self._allocate_pushes()
-        if self._push_slots:
+        bounce = self._push_bounce
+        if bounce is not None:
+            # One gather of the layer's pushed pages into the host buffer: on a GPU after the
+            # kernels that write them (same stream), its device-to-host copy waited for.
+            gather_pages(self._layers[i], self._ids("push", self._push_ids),
+                         bounce.buf[i, :len(self._push_ids)])
+        elif self._push_slots:
             # On a GPU, attention was only launched: the WRITE must not read the layer's pages
             # before the kernels that write them are done.
             wait_for_device(self._layers[i])
@@ -299,7 +534,7 @@ class PrefillRemote:
                 continue
             try:
                 pending = self._post("WRITE", p.de, self._peer(p.de)[1],
-                                     self._push_entries[p.req_id], slice(i, i + 1))
+                                     self._push_entries[p.req_id], slice(i, i + 1), bounce)
             except (SideChannelError, TransferError, OSError) as e:
                 self._push_failed(p, e)
                 continue
@@ -307,6 +542,9 @@ class PrefillRemote:
                 self._writes.append((p, pending))
 
     def _allocate_pushes(self) -> None:
+        """Slots for the step's pushes (side channel `alloc`) and, through the host, the
+        bounce rows they are written from (`_push_ids`)."""
+        allocated: list[tuple[Push, list[tuple[int, int]]]] = []
         for p in self._plan.pushes:
             if self.kv.has_failed(p.req_id):
                 continue  # recomputed in a later step, pushed then
@@ -325,6 +563,15 @@ class PrefillRemote:
                 continue
             self._push_slots[p.req_id] = slots
             self._push_indices[p.req_id] = indices
+            allocated.append((p, slots))
+        num_rows = sum(len(slots) for _, slots in allocated)
+        if self._bounces is None or not num_rows:
+            return
+        bounce = self._push_bounce = self._bounces.take(num_rows)
+        for p, slots in allocated:
+            self._push_entries[p.req_id] = self._entries(p.de, slots, bounce,
+                                                         len(self._push_ids))
+            self._push_ids += [block_id for block_id, _ in slots]
 
     def _push_crcs(self, p: Push) -> dict[int, int]:
         """The digest of each pushed Full Block (`digest.block_digests`: a CRC32C of host
@@ -372,7 +619,20 @@ class PrefillRemote:
         for client in clients:
             client.close()
         with contextlib.suppress(Exception):
+            self._give_bounces()
+            if self._bounces is not None:
+                self._bounces.close()
+        with contextlib.suppress(Exception):
             self.link.close()
+
+
+class _Partial(Exception):
+    """A background pull that loaded its first `ok` blocks, then failed with `error`."""
+
+    def __init__(self, ok: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.ok = ok
+        self.error = error
 
 
 class AsyncLoader:
