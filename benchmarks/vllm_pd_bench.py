@@ -223,6 +223,7 @@ def run_mode(url: str | StockProxy, model: str, agents: list[str], filler: int, 
     return {"ttft_s": statistics.mean(r[0] for r in results.values()),
             "jct_s": statistics.mean(r[1] for r in results.values()),
             "batch_s": wall, "hit_bytes_by_side": hit,
+            "ttfts_s": sorted(round(r[0], 3) for r in results.values()),
             "texts": sorted(r[2] for r in results.values())}
 
 
@@ -335,6 +336,7 @@ def main() -> int:
                                  for k in ("ttft_s", "jct_s", "batch_s")}
                              for m in modes if m != "basic"},
         "hit_bytes_by_side": {m: [r["hit_bytes_by_side"] for r in rs] for m, rs in runs.items()},
+        "ttfts_s": {m: [r["ttfts_s"] for r in rs] for m, rs in runs.items()},
         "remote_errors": {m: [r["remote_errors"] for r in rs] for m, rs in runs.items()},
         "max_stage_s": {m: [r["max_stage_s"] for r in rs] for m, rs in runs.items()},
         "clean": all(r["remote_errors"] == 0 for rs in runs.values() for r in rs),
