@@ -110,6 +110,29 @@ def test_prepared_lists_move_the_entries_named_by_index(two: Two) -> None:
         t.initiator.prep(np.array([addr(t.there)], np.uint64), 16, peer="nobody")
 
 
+def test_memory_deregistered_is_no_longer_a_transfers(two: Two) -> None:
+    """A buffer registered, prepared, moved through, its list released and deregistered (a
+    bounce buffer replaced by a larger one): neither can be used again."""
+    t = two
+    extra = np.zeros(4096, np.uint8)
+    t.initiator.register([(addr(extra), extra.nbytes)])
+    there = t.initiator.prep(np.array([addr(t.there)], np.uint64), 1024, peer=t.peer)
+    mine = t.initiator.prep(np.array([addr(extra)], np.uint64), 1024)
+    t.there[:1024] = 7
+    pending = t.initiator.post_prepped("READ", mine, np.array([0]), there, np.array([0]))
+    assert pending is not None and pending.wait() == 1024
+    assert (extra[:1024] == 7).all()
+    t.initiator.release(mine)
+    t.initiator.release(mine)  # once is enough; again is nothing
+    t.initiator.deregister([(addr(extra), extra.nbytes)])
+    t.initiator.deregister([(addr(extra), extra.nbytes)])
+    with pytest.raises(TransferError, match="outside registered memory"):
+        t.initiator.prep(np.array([addr(extra)], np.uint64), 1024)
+    with pytest.raises(TransferError, match="outside registered memory"):
+        t.initiator.post("READ", t.peer, [(addr(extra), addr(t.there), 1024)])
+    t.initiator.release(there)
+
+
 def test_tensors_register_once_each_as_their_memory_type(two: Two) -> None:
     kv = torch.zeros(4, 1024, dtype=torch.uint8)
     t = two

@@ -250,6 +250,15 @@ def test_a_restarted_decode_node_is_reached_at_its_new_agent(pair: Pair) -> None
             assert same(p.p_kv[name][block_id], page_of(block, i))
 
 
+def test_the_connector_option_of_the_host_bounce() -> None:
+    assert remote.host_bounce_option("auto") is None and remote.host_bounce_option(None) is None
+    assert remote.host_bounce_option("on") is True and remote.host_bounce_option(True) is True
+    assert remote.host_bounce_option("OFF") is False and remote.host_bounce_option("false") \
+        is False
+    with pytest.raises(ValueError, match="auto, on or off"):
+        remote.host_bounce_option("sometimes")
+
+
 def test_the_host_bounce_is_on_by_default_only_for_gpu_kv(pair: Pair) -> None:
     prefill = PrefillRemote(pair.p_worker, pair.p_kv)
     try:

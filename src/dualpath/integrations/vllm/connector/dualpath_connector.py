@@ -62,7 +62,12 @@ from dualpath.integrations.vllm.connector.plan import (
     model_identity,
     namespace_key,
 )
-from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.connector.remote import (
+    AsyncLoader,
+    DecodeRemote,
+    PrefillRemote,
+    host_bounce_option,
+)
 from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
 from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
@@ -210,6 +215,10 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._events: list[KVCacheEvent] = []
         """The step's plan (worker side, from `bind_connector_metadata`)."""
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
+        self._host_bounce = host_bounce_option(extra.get_from_extra_config("de_pull_via_host",
+                                                                           "auto"))
+        """Prefill: DE pulls and pushes through pinned host buffers (None: where the KV is on
+        a GPU; `PrefillRemote`)."""
         self._storage_read_gbps = float(gbps) if gbps else None
         # The worker's emulated storage NIC. On a decode node the staging service reads through
         # its own (the worker reads the store only for requests without the router's orders).
@@ -290,7 +299,9 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self._worker.register(kv_caches)
         if self._pd_role == "prefill":
-            self._prefill = PrefillRemote(self._worker, kv_caches)
+            # Through pinned host buffers where the KV is on a GPU, unless said otherwise:
+            # without GPUDirect RDMA, UCX emulates host <-> VRAM transfers over TCP.
+            self._prefill = PrefillRemote(self._worker, kv_caches, self._host_bounce)
             self._loader = AsyncLoader(self._worker, self._prefill)
 
     def shutdown(self) -> None:

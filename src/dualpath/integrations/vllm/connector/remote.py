@@ -79,6 +79,19 @@ BOUNCE_CHUNK_BYTES = 1 << 29
 bytes at a time (a request's whole hit would pin as much host memory as it has KV)."""
 
 
+def host_bounce_option(value: object) -> bool | None:
+    """`kv_connector_extra_config.de_pull_via_host` as `PrefillRemote`'s `host_bounce`:
+    "auto" (or absent: None, on where the paged KV is on a GPU), "on" / true, "off" / false."""
+    if value is None or isinstance(value, bool):
+        return value
+    choice = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+    key = str(value).strip().lower()
+    if key not in choice:
+        raise ValueError(f"DualPathConnector: kv_connector_extra_config.de_pull_via_host "
+                         f"{value!r}: auto, on or off")
+    return choice[key]
+
+
 @dataclass
 class Bounce:
     """A pinned host buffer registered with NIXL, layer-major: per layer, `rows` pages
