@@ -36,3 +36,19 @@ def test_unknown_mode_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> N
     assert main([*TINY, "--mode", "fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown mode preset 'fast'" in err[0]
+
+
+def test_read_disciplines_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = {}
+    for name, flags in (("default", []), ("fifo", ["--pe-reads", "fifo", "--de-reads", "fifo"]),
+                        ("shared", ["--pe-reads", "shared:2"])):
+        # 16 agents on a slow storage NIC: reads queue behind each other.
+        assert main([*TINY, "--agents", "16", "--storage-nic-gbps", "0.5", "--mode", "basic",
+                     "--json", *flags]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["basic"]
+    assert runs["fifo"] == runs["default"]
+    assert runs["shared"]["num_completed"] == runs["default"]["num_completed"]
+    assert runs["shared"] != runs["default"]
+    assert main([*TINY, "--pe-reads", "shared:x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_in_flight" in err[0]

@@ -49,6 +49,15 @@ class ReadDiscipline:
             raise SpecError(o, "max_in_flight", self.max_in_flight,
                             "fifo reads one request at a time (0 or 1)")
 
+    @classmethod
+    def parse(cls, text: str) -> ReadDiscipline:
+        """`fifo`, `shared` (no bound) or `shared:N` (N requests at once)."""
+        kind, sep, num = text.partition(":")
+        if sep and not num.isdigit():
+            raise SpecError("sim.params.read_discipline", "max_in_flight", num,
+                            "must be a whole number (shared:N)")
+        return cls(kind, int(num) if sep else 0)
+
     @property
     def num_slots(self) -> int:
         """Requests a node reads at once: 1 for `fifo`; 0 means no bound."""

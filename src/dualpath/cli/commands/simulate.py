@@ -19,6 +19,7 @@ from dualpath.experiments.runner import Runner
 from dualpath.sim import (
     MODE_PRESETS,
     Driver,
+    ReadDiscipline,
     SimConfig,
     SimParams,
     SimResult,
@@ -76,6 +77,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(--model and --hardware are not used)")
     s.add_argument("--storage-cluster-gbps", type=float, default=0.0, metavar="GB/S",
                    help="aggregate read cap of the storage cluster (default: none)")
+    for side, node in (("pe", "prefill"), ("de", "decode")):
+        s.add_argument(f"--{side}-reads", metavar="fifo|shared[:N]",
+                       help=f"how a {node} node's storage NIC serves its requests' reads: fifo "
+                       "(one request at a time, the paper's read queue) or shared (N requests "
+                       "at once splitting the NIC; no N: any number) (default: the profile's, "
+                       "else fifo)")
     s.add_argument("--inference-load", type=float, default=0.0, metavar="FRACTION",
                    help="high-priority traffic share of a compute NIC during forward passes")
     s.add_argument("--prefill-ep-engines", type=int, default=0, metavar="N",
@@ -244,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
         base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed, **kw)
         if not args.json:
             print(f"profile: {profile.describe()}", file=sys.stderr)
+    if args.pe_reads or args.de_reads:
+        sp = base.params
+        base = replace(base, params=replace(
+            sp, pe_reads=ReadDiscipline.parse(args.pe_reads) if args.pe_reads else sp.pe_reads,
+            de_reads=ReadDiscipline.parse(args.de_reads) if args.de_reads else sp.de_reads))
     configs = {name: replace(base, mode=mode_preset(name)) for name in modes}
     remote = (_on_ray(args.ray, configs, not args.no_progress and not args.json)
               if args.ray else {})
