@@ -163,7 +163,10 @@ def run(args: argparse.Namespace) -> int:
              "compute_nic_bytes_per_s": cfg.compute_nic_bytes_per_s,
              "engines_per_node": cfg.engines_per_node, "hbm_bytes": cfg.hbm_bytes,
              "dram_buffer_bytes": cfg.buffer_bytes, "block_size": cfg.block_size,
-             "compute_quota_s": cfg.compute_quota_s, "beta_tokens": cfg.beta_tokens},
+             "compute_quota_s": cfg.compute_quota_s, "beta_tokens": cfg.beta_tokens,
+             "storage_reads": {"pe": {"discipline": "fifo"}, "de": {"discipline": "fifo"},
+                               "why": "a node's one reader thread takes its read jobs in "
+                                      "order (runtime/storage_io.py)"}},
         prefill=m.prefill, decode=m.decode, rates=m.rates,
     )
     print(_written(out, data) + f"; KV {layout.kv_bytes_per_token} B/token; copy "
