@@ -9,7 +9,9 @@ blocks, through:
   Full Block) and their per-layer copies into the paged KV (`inject`, once per layer);
 - **DE**: the DE read path's staging pull: the decode side's staging service reads the blocks
   into its slots (`stage` over the side channel), and the prefill side pulls them per layer over
-  NIXL (UCX, in one process here) into its paged KV (`PrefillRemote.load` / `inject`);
+  NIXL (UCX, in one process here) into its paged KV (`PrefillRemote.load` / `inject`), NIXL
+  straight into the pages (`direct`) or into a pinned host bounce buffer and copied from there
+  (`bounce`, the default for a GPU's KV: `--de-pull`);
 
 beside two baselines measured in the same run on the same bytes: a plain `read` (`os.preadv`
 of each block's file into one buffer, no checksum) and a plain `memcpy` (one copy of the same
@@ -241,10 +243,10 @@ def pe_load(worker: KVWorker, kv: dict[str, torch.Tensor], keys: list[bytes],
 @contextlib.contextmanager
 def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
             keys: list[bytes], block_ids: list[int], stage_threads: int = 16,
-            ) -> Iterator[Callable[[], None]]:
+            host_bounce: bool = False) -> Iterator[Callable[[], None]]:
     """The DE read path in one process: a staging service (side channel, slots, NIXL target;
     `stage_threads` store reads at a time) and the prefill side's `PrefillRemote` over
-    `kv`."""
+    `kv` (`host_bounce`: through its pinned host buffers)."""
     from dualpath.integrations.vllm.connector.remote import PrefillRemote
     from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
     from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
@@ -256,7 +258,7 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
     target.register([(pool.base, pool.num_slots * store.full_block_bytes)])
     channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect,
                                 read_threads=stage_threads)
-    prefill = PrefillRemote(worker, kv)
+    prefill = PrefillRemote(worker, kv, host_bounce=host_bounce)
 
     def run() -> None:
         xfer = uuid.uuid4().hex
@@ -337,7 +339,7 @@ def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
 
 def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                 root: Path, read_threads: int, device: str,
-                stage_threads: list[int]) -> list[dict[str, float | str]]:
+                stage_threads: list[int], de_pulls: list[str]) -> list[dict[str, float | str]]:
     num_blocks = max(2, total_bytes // shape.full_block_bytes)
     nbytes = num_blocks * shape.full_block_bytes
     store = BlockStore(root / f"store-{shape.block_tokens}", shape.full_block_bytes,
@@ -368,11 +370,14 @@ def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                     measure(read_in_place(store, kv, keys, block_ids, pool), repeats))
                 row("  its CRC32C alone", measure(crc_pages(kv, block_ids, pool), repeats))
     for threads in stage_threads if "de" in paths else []:
-        for layer in kv.values():
-            layer.zero_()
-        with de_pull(store, worker, kv, keys, block_ids, threads) as run:
-            row(f"DE staging pull ({threads} stage reads)", measure(run, repeats))
-        check_pages(kv, store, keys, shape, block_ids)
+        for how in de_pulls:
+            for layer in kv.values():
+                layer.zero_()
+            with de_pull(store, worker, kv, keys, block_ids, threads,
+                         host_bounce=how == "bounce") as run:
+                via = " via host" if how == "bounce" else ""
+                row(f"DE staging pull{via} ({threads} stage reads)", measure(run, repeats))
+            check_pages(kv, store, keys, shape, block_ids)
     return rows
 
 
@@ -478,6 +483,11 @@ def main() -> int:
     ap.add_argument("--stage-threads", default="16", help="DE path: the staging service's "
                     "store reads in flight (its read_threads); comma-separated, a row each "
                     "(default: %(default)s)")
+    ap.add_argument("--de-pull", default="", help="DE path: how the pull reaches the paged "
+                    "KV, comma-separated, a row each: direct (NIXL into the pages), bounce "
+                    "(NIXL into pinned host buffers, then one copy per layer; the connector's "
+                    "default for a GPU's KV) (default: direct,bounce on a GPU, direct on "
+                    "the host)")
     ap.add_argument("--pull-blocks", type=int, default=2048, help="DE pull: staged blocks "
                     "whose NIXL descriptors are timed (512 B pages, 64 layers); 0: skip "
                     "(default: %(default)s)")
@@ -489,6 +499,10 @@ def main() -> int:
         ap.error(f"--paths: {args.paths!r}: pe, de or pe,de")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device here")
+    de_pulls = [x for x in (args.de_pull or ("direct,bounce" if args.device.startswith("cuda")
+                                             else "direct")).split(",") if x]
+    if not de_pulls or not set(de_pulls) <= {"direct", "bounce"}:
+        ap.error(f"--de-pull: {args.de_pull!r}: direct, bounce or direct,bounce")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="connector-bench-", dir=args.dir) as tmp:
@@ -500,7 +514,7 @@ def main() -> int:
                   f"{shape.full_block_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)
             rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
                                 args.read_threads, args.device,
-                                [int(x) for x in args.stage_threads.split(",")])
+                                [int(x) for x in args.stage_threads.split(",")], de_pulls)
         router = router_cost(args.instances, args.waiting, root)
         pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \
             if "de" in paths and args.pull_blocks else 0.0

@@ -11,8 +11,9 @@ folder), bf16, 16-token blocks, CUDA graphs on (vLLM makes them PIECEWISE for th
    READs/WRITEs into VRAM, 70B-shaped FlashAttention layouts.
    Needs torch, nixl and pytest, no vLLM.
 1. `bench`: `connector_bench.py --device cuda`: GB/s of the PE load path (store -> pinned
-   staging -> one H2D copy and one `index_copy_` per layer) and of the DE staging pull (NIXL
-   READ from host slots straight into VRAM), 70B-shaped pages, beside this GPU host's plain
+   staging -> one H2D copy and one `index_copy_` per layer) and of the DE staging pull, two
+   rows: NIXL READ from host slots straight into VRAM, and through a pinned host bounce
+   buffer (the connector's default on a GPU), 70B-shaped pages, beside this GPU host's plain
    `read` and `memcpy` rates.
 2. `pe`: `vllm_connector_demo.py` with CUDA graphs: turn 2 loads its stored prefix through the
    per-layer hooks; its greedy tokens equal a baseline whose turn 2 reuses the same KV from
