@@ -104,6 +104,13 @@ class Bounce:
     event: Any = None
     """A CUDA event after the last copies out of it (waited for before it is refilled)."""
 
+    def copied_out(self, kv: torch.Tensor) -> None:
+        """Copies out of this buffer into `kv` were queued on its GPU's current stream: they
+        are waited for before the buffer is refilled (nothing for a host `kv`)."""
+        if kv.is_cuda:
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.event.record(torch.cuda.current_stream(kv.device))
+
     def entries(self, first_row: int, n: int) -> npt.NDArray[np.int64]:
         """Per layer, the entries of rows `[first_row, first_row + n)`."""
         layers = np.arange(self.buf.shape[0], dtype=np.int64)[:, None] * self.rows
@@ -148,12 +155,9 @@ class BouncePool:
             b.event = None
         return b
 
-    def give(self, b: Bounce, device_tensor: torch.Tensor | None = None) -> None:
-        """Give `b` back; `device_tensor`: a GPU tensor whose stream may still copy out of
-        `b` (an event recorded now is waited for before `b` is taken again)."""
-        if device_tensor is not None and device_tensor.is_cuda:
-            b.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            b.event.record(torch.cuda.current_stream(device_tensor.device))
+    def give(self, b: Bounce) -> None:
+        """Give `b` back (its copies to a GPU, `Bounce.copied_out`, are waited for before it
+        is taken again)."""
         with self._lock:
             self._free.append(b)
             drop = None
@@ -411,10 +415,10 @@ class PrefillRemote:
                                      slice(None), bounce)
                 if pending is not None:
                     pending.wait()
-                ids = torch.tensor([b for b, _ in part], dtype=torch.int64,
-                                   device=first.device)
                 with torch.cuda.stream(stream) if stream is not None \
                         else contextlib.nullcontext():
+                    ids = torch.tensor([b for b, _ in part], dtype=torch.int64,
+                                       device=first.device)  # on that stream
                     for i, layer in enumerate(self._layers):
                         scatter_pages(layer, ids, bounce.buf[i, :len(part)])
                 if stream is not None:
@@ -446,7 +450,7 @@ class PrefillRemote:
                     pending.wait()
         if self._bounces is not None:
             if self._pull_bounce is not None:
-                self._bounces.give(self._pull_bounce, self._layers[0])
+                self._bounces.give(self._pull_bounce)
             if self._push_bounce is not None:
                 self._bounces.give(self._push_bounce)
         self._pull_bounce = self._push_bounce = None
@@ -523,6 +527,7 @@ class PrefillRemote:
         if self._pull_bounce is not None and self._pull_ids:
             scatter_pages(self._layers[i], self._ids("pull", self._pull_ids),
                           self._pull_bounce.buf[i, :len(self._pull_ids)])
+            self._pull_bounce.copied_out(self._layers[i])
 
     def capture(self, layer_name: str) -> None:
         """Push layer `layer_name`'s pages of the step's pushes (after its attention)."""
