@@ -250,6 +250,34 @@ def test_a_restarted_decode_node_is_reached_at_its_new_agent(pair: Pair) -> None
             assert same(p.p_kv[name][block_id], page_of(block, i))
 
 
+def test_two_requests_pulled_and_pushed_in_one_step_each_get_their_own_pages(
+        pair: Pair) -> None:
+    """Several requests share a step's pulls and pushes (one bounce buffer each way, a run
+    of rows per request): each request's blocks land where its own block ids say."""
+    p = pair
+    de = p.channel.address
+    computed = {b: torch.randint(0, 255, (FULL,), dtype=torch.uint8) for b in (0, 2, 3)}
+    plan = StepPlan(
+        remote_loads=[RemoteLoad("x", de, BlockTransfer("r", 0, (5, 1), tuple(KEYS[:2]))),
+                      RemoteLoad("y", de, BlockTransfer("s", 0, (6,), (KEYS[0],)))],
+        pushes=[Push("x", de, "r", (2, 3), (5, 1, 2, 3), hit_blocks=2),
+                Push("y", de, "s", (1,), (6, 0), hit_blocks=1)])
+    prefill_step(p, plan, computed)
+    assert p.p_worker.take_load_errors() == set()
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((5, 1, 6), [*p.stored[:2], p.stored[0]], strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+    kv_r = decode_step(p, XferLoad("x", "r", 0, (0, 1, 2, 3)))
+    kv_s = decode_step(p, XferLoad("y", "s", 0, (4, 5)))
+    assert p.d_worker.take_load_errors() == set()
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((0, 1, 2, 3), [*p.stored[:2], computed[2], computed[3]],
+                                   strict=True):
+            assert same(kv_r[name][block_id], page_of(block, i))
+        assert same(kv_s[name][4], page_of(p.stored[0], i))
+        assert same(kv_s[name][5], page_of(computed[0], i))
+
+
 def test_the_connector_option_of_the_host_bounce() -> None:
     assert remote.host_bounce_option("auto") is None and remote.host_bounce_option(None) is None
     assert remote.host_bounce_option("on") is True and remote.host_bounce_option(True) is True
