@@ -101,12 +101,13 @@ TEMP_DIR = ".tmp"
 """The folder under a store root where every write in progress lives."""
 EVICT_TO = 0.9
 """A store over its capacity evicts down to this fraction of it (so a scan is rare)."""
-TOUCH_AFTER_S = 60.0
-CRC_RELEASE_GIL_BYTES = 256 * 1024
+CRC_RELEASE_GIL_BYTES = int(os.environ.get("DUALPATH_CRC_RELEASE_GIL_BYTES", 256 * 1024))
 """A buffer at least this large is checksummed with the GIL released (other threads run
-meanwhile); a smaller one holds it. Releasing it per 64 KiB page (a 16-token block's page of
-a 70B rank) cost three times the CPU of the checksum itself with 16 reader threads (each
-call then waits for the GIL back): 3.3 GB per CPU-second against 9.1 held."""
+meanwhile); a smaller one holds it (`DUALPATH_CRC_RELEASE_GIL_BYTES` overrides it). On this
+2-core VM, releasing it per 64 KiB page (a 16-token block's page of a 70B rank) cost three
+times the CPU of the checksum itself with 16 reader threads (each call then waits for the GIL
+back): 3.3 GB per CPU-second against 9.1 held."""
+TOUCH_AFTER_S = 60.0
 """A hit on a block whose atime is older than this sets it to now (LRU recency)."""
 
 
