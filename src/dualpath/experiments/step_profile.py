@@ -11,9 +11,12 @@ scheduler's quota and beta), so a simulation of that cluster needs nothing else:
      "model": {"name", "num_layers", "hidden_size", ..., "kv_bytes_per_token"},
      "run": {"storage_nic_bytes_per_s", "compute_nic_bytes_per_s", "engines_per_node",
              "hbm_bytes", "dram_buffer_bytes", "block_size", "compute_quota_s", "beta_tokens",
-             "storage_reads": {"pe": {"discipline", "max_in_flight"}, "de": {...}, "why"}},
+             "storage_reads": {"pe": {"discipline", "max_in_flight"}, "de": {...}, "why"},
+             "control_plane": {"dispatch_s", "return_s", "why"}},
      "measured": {"prefill": [{"cached", "new", "batch", "seconds"}, ...],
                   "decode": [{"batch", "context", "seconds"}, ...],
+                  "turns": [{"prompt", "hit", "gen", "first_token_s", "next_submit_s",
+                             "prefill_s", "decode_s"}, ...],
                   "rates": {"memory_copy", "store_write", "store_read"}},
      "fit": {"prefill_fixed_s", ..., "per_context_token_s",
              "prefill_median_error", "decode_median_error"}}
@@ -22,6 +25,16 @@ scheduler's quota and beta), so a simulation of that cluster needs nothing else:
 serves the requests whose hits a node's storage NIC reads (`dualpath.sim.ReadDiscipline`): the
 PE side's reads on a prefill node, the DE side's on a decode node. It comes from how the
 engine issues its reads, never from a compared run.
+
+`run.control_plane` (optional; absent: none) is the per-turn latency of the deployment's
+control plane, which no step cost holds: `dispatch_s` from a turn's submission until the
+engines have it, beyond the prefill pass (the simulator delays the scheduler's submit by it),
+and `return_s` from a turn's first token until the client has submitted the agent's next turn,
+beyond the decode steps (the simulator delays the next turn's arrival by it). `dualpath
+profile` measures both on the engine's own process path with unpaced I/O, one turn at a time
+(`measured.turns`: each turn's first token and the next submission, seconds after its own
+submission, and the fitted prefill and decode times subtracted from them; the medians are the
+terms).
 
 A bad file is one line naming the file and the field (`ProfileFileError`).
 """
@@ -58,6 +71,9 @@ _RUN_NUM = ("storage_nic_bytes_per_s", "compute_nic_bytes_per_s", "engines_per_n
             "hbm_bytes", "dram_buffer_bytes", "block_size", "compute_quota_s", "beta_tokens")
 _RUN_INT = ("engines_per_node", "hbm_bytes", "dram_buffer_bytes", "block_size")
 _COST_FIELDS = tuple(f.name for f in fields(ProfiledCosts) if f.name != "source")
+TURN_KEYS = ("prompt", "hit", "gen", "first_token_s", "next_submit_s", "prefill_s", "decode_s")
+"""A `measured.turns` row: one turn timed through the engine's process path (see
+`control_plane_terms`)."""
 
 
 Arr = npt.NDArray[np.float64]
@@ -195,25 +211,37 @@ class Profile:
             return FIFO, FIFO
         return _discipline(self.path, reads, "pe"), _discipline(self.path, reads, "de")
 
+    def control_plane(self) -> tuple[float, float]:
+        """`(dispatch_s, return_s)` of `run.control_plane`; absent: `(0, 0)`."""
+        cp = self.data["run"].get("control_plane")
+        if cp is None:
+            return 0.0, 0.0
+        return float(cp["dispatch_s"]), float(cp["return_s"])
+
     def sim_kwargs(self) -> dict[str, Any]:
         """`SimConfig` fields that make a simulation run this profile's cluster: the measured
         costs, the run's scheduler constants, its block size, no HBM reserve (the engine
         memory is already what is left for KV), storage read at the line rate (the runtime
         paces its storage NICs at exactly that rate) with the engine's read disciplines, and
         an agent's next turn only once the last one is persisted (the runtime reports a turn
-        done after persisting its blocks)."""
+        done after persisting its blocks), and the control plane's per-turn latencies."""
         r = self.data["run"]
         pe_reads, de_reads = self.read_disciplines()
+        dispatch_s, return_s = self.control_plane()
         return {
             "step_costs": self.costs,
             "scheduler": self.scheduler_params(),
             "params": SimParams(block_size_tokens=int(r["block_size"]), hbm_reserve_fraction=0.0,
                                 storage_read=NOMINAL, is_next_turn_after_persist=True,
-                                pe_reads=pe_reads, de_reads=de_reads),
+                                pe_reads=pe_reads, de_reads=de_reads,
+                                turn_dispatch_s=dispatch_s, turn_return_s=return_s),
         }
 
     def describe(self) -> str:
         c, m, e = self.costs, self.data["model"], self.data["engine"]
+        dispatch_s, return_s = self.control_plane()
+        cp = (f"; control plane {dispatch_s * 1e3:.1f} ms in + {return_s * 1e3:.1f} ms out a "
+              "turn" if "control_plane" in self.data["run"] else "")
         return (f"{e['kind']} {m['name']} on {self.data['machine'].get('hostname', '?')} "
                 f"({self.data['created']}): prefill {c.prefill_fixed_s * 1e3:.2f} ms + "
                 f"{c.per_prefill_seq_s * 1e6:.0f} us/seq + "
@@ -221,7 +249,7 @@ class Profile:
                 f"{c.per_query_key_s * 1e9:.3f} ns/(query,key) + "
                 f"{c.per_cached_token_s * 1e6:.3f} us/cached token; decode "
                 f"{c.decode_fixed_s * 1e3:.2f} ms + {c.per_seq_s * 1e6:.1f} us/seq + "
-                f"{c.per_context_token_s * 1e9:.2f} ns/context token")
+                f"{c.per_context_token_s * 1e9:.2f} ns/context token{cp}")
 
 
 def _need(path: str, obj: Any, where: str, kind: type | tuple[type, ...]) -> Any:
@@ -281,9 +309,16 @@ def parse_profile(data: Any, path: str = "<profile>") -> Profile:
     if "storage_reads" in data["run"]:
         for side in ("pe", "de"):
             _discipline(path, data["run"]["storage_reads"], side)
+    if "control_plane" in data["run"]:
+        cp = _need(path, data["run"]["control_plane"], "run.control_plane", dict)
+        for name in ("dispatch_s", "return_s"):
+            _number(path, cp, "run.control_plane", name)
     meas = data["measured"]
     for name, keys in (("prefill", ("cached", "new", "batch", "seconds")),
-                       ("decode", ("batch", "context", "seconds"))):
+                       ("decode", ("batch", "context", "seconds")),
+                       ("turns", TURN_KEYS)):
+        if name == "turns" and name not in meas:
+            continue
         rows = _need(path, meas.get(name), f"measured.{name}", list)
         for i, row in enumerate(rows):
             _need(path, row, f"measured.{name}[{i}]", dict)
@@ -311,19 +346,52 @@ def load_profile(path: str | Path) -> Profile:
     return parse_profile(data, p)
 
 
+def control_plane_terms(costs: ProfiledCosts, turns: Sequence[dict[str, float]]
+                        ) -> tuple[list[dict[str, float]], float, float]:
+    """The control plane's per-turn latencies from turns timed one at a time with unpaced I/O.
+
+    A turn row holds its `prompt`, `hit` and `gen` tokens, and, in seconds after its own
+    submission, when its first token came (`first_token_s`) and when the agent's next turn was
+    submitted (`next_submit_s`). The fitted costs of its work are taken off: one prefill pass
+    of (`hit`, `prompt - hit`) from the first token, and `gen - 1` decode steps of one sequence
+    (at `prompt + gen / 2` tokens of context, as the simulator charges them) from the rest.
+    Returns the rows with those times added (`prefill_s`, `decode_s`), and the medians of
+    what is left: `(dispatch_s, return_s)`, each at least 0."""
+    if not turns:
+        raise ProfileFileError("measured.turns: no turns")
+    rows, dispatch, back = [], [], []
+    for t in turns:
+        prompt, hit, gen = float(t["prompt"]), float(t["hit"]), float(t["gen"])
+        prefill_s = costs.prefill_pass_time_s([(hit, prompt - hit)])
+        decode_s = max(0.0, gen - 1) * costs.decode_step_time_s(1, prompt + gen / 2.0)
+        rows.append({**t, "prefill_s": prefill_s, "decode_s": decode_s})
+        dispatch.append(float(t["first_token_s"]) - prefill_s)
+        back.append(float(t["next_submit_s"]) - float(t["first_token_s"]) - decode_s)
+    return (rows, max(0.0, float(np.median(dispatch))), max(0.0, float(np.median(back))))
+
+
 def build_profile(*, created: str, machine: dict[str, Any], engine: dict[str, Any],
                   model: dict[str, Any], run: dict[str, Any],
                   prefill: Sequence[dict[str, float]], decode: Sequence[dict[str, float]],
-                  rates: dict[str, float]) -> dict[str, Any]:
-    """A profile's JSON object from its measurements (fitted here), validated."""
+                  rates: dict[str, float],
+                  turns: Sequence[dict[str, float]] | None = None,
+                  turns_how: str = "") -> dict[str, Any]:
+    """A profile's JSON object from its measurements (fitted here), validated. `turns`
+    (optional): turns timed through the engine's process path, from which
+    `run.control_plane` is derived (`control_plane_terms`; `turns_how` says how they ran)."""
     costs, p_err, d_err = fit_costs(prefill, decode)
     fit = {n: getattr(costs, n) for n in _COST_FIELDS}
     fit.update(prefill_median_error=p_err, decode_median_error=d_err)
+    measured: dict[str, Any] = {"prefill": list(prefill), "decode": list(decode)}
+    if turns is not None:
+        rows, dispatch_s, return_s = control_plane_terms(costs, turns)
+        run = {**run, "control_plane": {"dispatch_s": dispatch_s, "return_s": return_s,
+                                        "why": turns_how}}
+        measured["turns"] = rows
+    measured["rates"] = rates
     data = {
         "format": FORMAT, "version": VERSION, "created": created, "machine": machine,
-        "engine": engine, "model": model, "run": run,
-        "measured": {"prefill": list(prefill), "decode": list(decode), "rates": rates},
-        "fit": fit,
+        "engine": engine, "model": model, "run": run, "measured": measured, "fit": fit,
     }
     parse_profile(data)
     return data
@@ -336,7 +404,7 @@ def write_profile(path: str | Path, data: dict[str, Any]) -> None:
     body = json.dumps(head, indent=1)[:-2]
     rows = ",\n".join(
         f'  "{name}": [\n' + ",\n".join("   " + json.dumps(r) for r in meas[name]) + "\n  ]"
-        for name in ("prefill", "decode"))
+        for name in ("prefill", "decode", "turns") if name in meas)
     text = (body + ',\n "measured": {\n' + rows + ',\n  "rates": '
             + json.dumps(meas["rates"]) + "\n }\n}\n")
     json.loads(text)  # the hand-joined layout must stay JSON

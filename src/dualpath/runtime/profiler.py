@@ -7,7 +7,10 @@ Times the same calls the engines make, on one thread (as a node runs torch):
 - a decode step: `decode_step` of `batch` sequences of `context` tokens in a paged `KVCache`
   (as `DecodeEngine._step`);
 - copy rates: one Full Block copied in memory, and written to / read from a `BlockStore` in a
-  temporary folder (the storage the runtime's NICs are emulated over).
+  temporary folder (the storage the runtime's NICs are emulated over);
+- turns through the whole process path (`time_turns`): one agent's turns, one at a time, on
+  an emulated cluster with unpaced I/O, each timed from its submission to its first token and
+  to the next turn's submission (what the control plane adds beyond the step costs).
 
 Each point is the median of `repeats` timings after one warm-up. Nothing is fitted here
 (`dualpath.experiments.step_profile` fits and writes the file).
@@ -21,13 +24,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dualpath.core.store import BlockStore
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.model.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dualpath.runtime.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -190,3 +196,46 @@ def _copy_rates(block_bytes: int, repeats: int) -> dict[str, float]:
     total = float(count * block_bytes)
     return {"memory_copy": total / copy_s, "store_write": total / write_s,
             "store_read": total / read_s}
+
+
+TURN_SHAPE = (128, 64, 4)
+"""`time_turns`' agent: its first turn appends this many tokens, every later one the second
+number (the previous turn's Full Blocks are its hit), and each generates the third."""
+
+
+def time_turns(cfg: RunConfig, num_turns: int, num_warmup: int = 2,
+               on_turn: Callable[[str], None] | None = None) -> list[dict[str, float]]:
+    """Time `num_turns` turns of one agent through an emulated cluster of `cfg` (start it with
+    unpaced I/O: the oracle mode), one turn at a time, after `num_warmup` untimed ones.
+
+    A row per timed turn: its `prompt`, `hit` and `gen` tokens, and, in seconds after its
+    submission, when its first token came (`first_token_s`, stamped by its decode engine) and
+    when the agent's next turn was submitted (`next_submit_s`; the driver submits it as soon
+    as the turn's `TurnDone` reaches it). Raises `RunError` as `replay` does."""
+    from dualpath.runtime.agent_replay import TurnRecord, agents_from_lengths, replay
+    from dualpath.runtime.emulated_cluster import Cluster
+
+    tick = on_turn or (lambda _label: None)
+    first, append, gen = TURN_SHAPE
+    total = num_warmup + num_turns + 1  # the last timed turn needs a next submission
+    agents = agents_from_lengths([([first] + [append] * (total - 1), [gen] * total)],
+                                 _vocab_size(cfg), cfg.seed)
+
+    def done(rec: TurnRecord) -> None:
+        tick(f"turn {rec.turn_index + 1}/{total}")
+
+    with Cluster(cfg) as cluster:
+        result = replay(cluster, agents, on_turn=done)
+    recs = sorted(result.turns, key=lambda r: r.turn_index)
+    return [
+        {"prompt": r.prompt_tokens, "hit": r.hit_tokens, "gen": len(r.output_ids),
+         "first_token_s": r.first_token_at - r.submitted_at,
+         "next_submit_s": nxt.submitted_at - r.submitted_at}
+        for r, nxt in zip(recs[num_warmup:-1], recs[num_warmup + 1:], strict=True)
+    ]
+
+
+def _vocab_size(cfg: RunConfig) -> int:
+    from dualpath.runtime.model.model_source import model_config
+
+    return int(model_config(cfg.model).vocab_size)

@@ -23,7 +23,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Time one engine of the runtime (the model of --model, on one thread, as a node "
             "runs it): prefill passes over cached and new tokens and batch size, decode steps "
-            "over batch size and context, Full Block copy and store rates. Fit the step-cost "
+            "over batch size and context, Full Block copy and store rates; then time a few "
+            "turns of one agent, one at a time, through an emulated cluster of the run "
+            "configuration with unpaced I/O, for the control plane's per-turn latency beyond "
+            "the step costs. Fit the step-cost "
             "model and write it with the raw timings, the model's shape, the machine, the date "
             "and the emulated cluster's run configuration (NIC rates, engines per node, engine "
             "memory: the same options and defaults as `dualpath run`) to a versioned JSON file."
@@ -40,6 +43,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--max-context", type=int, default=1536, metavar="TOKENS",
                    help="largest cached+new prompt and decode context measured "
                    "(default: %(default)s, the default `dualpath run --max-len`)")
+    o.add_argument("--turns", type=int, metavar="N",
+                   help="turns timed through an emulated cluster for the control plane's "
+                   "per-turn latency (run.control_plane; after 2 untimed ones; 0: not "
+                   "measured, none in the file) (default: 12, 3 with --quick; about 10 s on "
+                   "the tiny model here, mostly the cluster's start)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = p.add_argument_group(
         "vLLM (--engine vllm)",
@@ -132,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     from dualpath.runtime.profiler import measure
 
     grid = _grid(args)
+    if args.turns is None:
+        args.turns = 3 if args.quick else 12
+    if args.turns < 0:
+        raise SpecError("profile", "turns", args.turns, "must be >= 0")
     cfg = _config(args, "dualpath", store="")
     source = _model_source(args)
     model = build_model(source)
@@ -147,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
 
         m = measure(model, grid, cfg.block_size, on_point=tick)
+    turns = _time_turns(args) if args.turns else None
     dtype_bytes = layout.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
     data = build_profile(
         created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -167,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
              "storage_reads": {"pe": {"discipline": "fifo"}, "de": {"discipline": "fifo"},
                                "why": "a node's one reader thread takes its read jobs in "
                                       "order (runtime/storage_io.py)"}},
-        prefill=m.prefill, decode=m.decode, rates=m.rates,
+        prefill=m.prefill, decode=m.decode, rates=m.rates, turns=turns,
+        turns_how=TURNS_HOW,
     )
     print(_written(out, data) + f"; KV {layout.kv_bytes_per_token} B/token; copy "
           f"{m.rates['memory_copy'] / 2**30:.1f} GiB/s in memory, store write "
@@ -175,6 +189,36 @@ def run(args: argparse.Namespace) -> int:
           "MiB/s")
     print(f"wrote {out}")
     return 0
+
+
+TURNS_HOW = (
+    "one agent's turns, one at a time, through an emulated cluster of the run configuration "
+    "(driver -> scheduler process -> prefill and decode nodes -> driver) in the oracle mode "
+    "(I/O unpaced); the medians over measured.turns of the time to the first token beyond the "
+    "fitted prefill pass (dispatch_s) and from the first token to the next turn's submission "
+    "beyond the fitted decode steps (return_s)")
+
+
+def _time_turns(args: argparse.Namespace) -> list[dict[str, float]]:
+    """`--turns` turns timed on an emulated cluster of the run configuration, I/O unpaced."""
+    import tempfile
+
+    from tqdm import tqdm
+
+    from dualpath.runtime.profiler import time_turns
+
+    print(f"timing {args.turns} turns through an emulated {args.prefill_nodes}P"
+          f"{args.decode_nodes}D cluster (oracle: I/O unpaced; it starts in seconds)",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="dualpath-profile-turns-") as store, \
+            tqdm(total=args.turns + 3, desc="turns", unit="turn", file=sys.stderr,
+                 disable=args.no_progress) as bar:
+
+        def tick(label: str) -> None:
+            bar.set_postfix_str(label, refresh=False)
+            bar.update(1)
+
+        return time_turns(_config(args, "oracle", store=store), args.turns, on_turn=tick)
 
 
 def _vllm_model_folder(args: argparse.Namespace) -> Path:
