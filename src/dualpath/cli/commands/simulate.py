@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dualpath import IMPLEMENTATION
 from dualpath.cli.common import add_cluster_args, cluster_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
@@ -277,8 +278,12 @@ def run(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - started
         results[name] = result
         if not args.json:
+            # Which build ran says how to read the wall time: the pure-Python fallback (a
+            # stale or missing mypyc build, `make compile`) is 3-4x slower.
+            where = "on a Ray cluster" if name in remote else f"simulator: {IMPLEMENTATION}"
             print(f"{name}: {result.num_completed} turns in {wall:.1f} s wall "
-                  f"({result.num_completed / max(wall, 1e-9):,.0f} turns/s)", file=sys.stderr)
+                  f"({result.num_completed / max(wall, 1e-9):,.0f} turns/s; {where})",
+                  file=sys.stderr)
         if args.csv:
             path = Path(args.csv)
             result.write_csv(path.with_name(f"{path.stem}.{name}{path.suffix or '.csv'}"))
