@@ -5,6 +5,10 @@ hash of its records and its summary JSON over a fixed set of small configuration
     python benchmarks/check_sim_identity.py check /tmp/simref    # after: exit 1 on any diff
 
 A performance change to `dualpath.sim` or `dualpath.sched` must leave every output identical.
+`--large` adds two runs the fixed set does not reach (about 40 s compiled): 48P96D, where
+prefill steps fan out to many decode nodes (the flow solver's wide flows and its component
+cap), and a saturated 6P12D at 1,000 agents per prefill node (storage-bound, as the paper's
+largest run), where most flow starts and ends re-rate others.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dualpath.workload.mooncake import load_mooncake
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "mooncake_excerpt.jsonl"
 
 
-def _configs() -> Iterator[tuple[str, SimConfig]]:
+def _configs(large: bool = False) -> Iterator[tuple[str, SimConfig]]:
     hw = hardware_preset("h800-deepseek")
     v32 = ClusterSpec(hw, model_preset("deepseek-v3.2"), 2, 4)
     for agents in (64, 256):
@@ -52,6 +56,13 @@ def _configs() -> Iterator[tuple[str, SimConfig]]:
     wl = agent_workload("48k", 256, max_len_tokens=32768)
     yield ("v32_4p8d_256_dualpath_32k",
            SimConfig(v32_big, wl, driver=Driver(num_agents=256)).with_mode("dualpath"))
+    if not large:
+        return
+    for p, d, agents in ((48, 96, 3000), (6, 12, 6000)):
+        spec = ClusterSpec(hw, model_preset("deepseek-v3.2"), p, d)
+        yield (f"large_v32_{p}p{d}d_{agents}_dualpath",
+               SimConfig(spec, agent_workload("64k", agents),
+                         driver=Driver(num_agents=agents)).with_mode("dualpath"))
 
 
 def _outputs(result: SimResult) -> tuple[str, str, str]:
@@ -76,11 +87,13 @@ def main() -> int:
     ap.add_argument("action", choices=("record", "check"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--only", default="", help="run only configs whose name contains this")
+    ap.add_argument("--large", action="store_true",
+                    help="also 48P96D (wide flows) and a saturated 6P12D (about 40 s compiled)")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     bad = 0
     total = time.perf_counter()
-    for name, cfg in _configs():
+    for name, cfg in _configs(args.large):
         if args.only not in name:
             continue
         t = time.perf_counter()
