@@ -116,6 +116,16 @@ class SimParams:
     storage (the runtime reports a turn done after persisting it), not when its last token is
     out."""
 
+    turn_dispatch_s: float = 0.0
+    """Control-plane latency on a turn's way in: from its arrival until the scheduler has it
+    (in a real deployment: the client -> router / scheduler -> engine hops, the fetches that
+    hand it to both engines). Counted in its TTFT and JCT; 0: none (the paper's model). A
+    profile measures it (`run.control_plane`)."""
+    turn_return_s: float = 0.0
+    """Control-plane latency on a turn's way out: from its end (its last token, or its
+    persistence with `is_next_turn_after_persist`) until the agent's next turn arrives (the
+    completion's hops back to the client, which submits the next turn). 0: none."""
+
     def __post_init__(self) -> None:
         o = "sim.params"
         positive_int(o, "block_size_tokens", self.block_size_tokens)
@@ -134,6 +144,8 @@ class SimParams:
         positive(o, "utilization_bin_s", self.utilization_bin_s)
         non_negative_int(o, "prefill_ep_engines", self.prefill_ep_engines)
         non_negative_int(o, "decode_ep_engines", self.decode_ep_engines)
+        non_negative(o, "turn_dispatch_s", self.turn_dispatch_s)
+        non_negative(o, "turn_return_s", self.turn_return_s)
 
 
 @dataclass(frozen=True)

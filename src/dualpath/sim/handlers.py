@@ -1,11 +1,13 @@
 """What happens to a turn, event by event, from arrival to its last token: the simulator's
 event handlers (paper Fig. 4 and §4.2).
 
-    arrive -> sched.submit -> _dispatch_de / _dispatch_pe        both engines bound (sched)
+    arrive -> (turn_dispatch_s) -> sched.submit -> _dispatch_de / _dispatch_pe
+                                                                 both engines bound (sched)
       -> _start_reads -> _next_read (storage NIC read server) -> _read_done
       -> _try_prefill (one step per prefill group) -> _step_part_done -> _prefill_done
       -> _next_copy (DE buffer -> HBM) -> _join_decode -> _decode_event -> _finish
-         (-> _persist of the new Full Blocks; the agent's next turn arrives)
+         (-> _persist of the new Full Blocks; the agent's next turn arrives, after
+         turn_return_s)
 
 Hops and the links they load (bytes per request; `H` hit KV, `X` miss KV of a chunk; the PE side
 reads `H_p`, the DE side `H_d`, `H = H_p + H_d`):
@@ -117,12 +119,20 @@ class Handlers:
         return len(self.agent_rows) - 1
 
     def arrive(self, agent: int, row: int) -> None:
-        """Turn `row` of `agent` arrives: the scheduler queues it and the engines fetch."""
+        """Turn `row` of `agent` arrives: the scheduler queues it (after the control plane's
+        `SimParams.turn_dispatch_s`) and the engines fetch."""
         req = Req(len(self.reqs), agent, row, self.wl_prompt[row], self.wl_hit[row],
                   self.wl_gen[row], self.loop.now_s)
         self.reqs.append(req)
         w = WaitingRequest(req.request_id, req.prompt_tokens, req.hit_tokens, req.gen_tokens)
         self.waiting[req.request_id] = w
+        delay = self.params.turn_dispatch_s
+        if delay > 0.0:
+            self.loop.after(delay, lambda: self._submit(w))
+        else:
+            self._submit(w)
+
+    def _submit(self, w: WaitingRequest) -> None:
         if self.sched.submit(w) is Stage.PE:
             self._dispatch_pe()
         else:
@@ -547,8 +557,17 @@ class Handlers:
         if nxt < self.agent_rows[agent][1]:
             self.agent_next[agent] = nxt + 1
             self.persist_waiters.setdefault(de.idx, []).append(
-                lambda: self.arrive(agent, nxt))
+                lambda: self._next_turn(agent, nxt))
         self._dispatch_de()
+
+    def _next_turn(self, agent: int, row: int) -> None:
+        """The agent's turn `row` follows a finished one: it arrives after the control
+        plane's `SimParams.turn_return_s`."""
+        delay = self.params.turn_return_s
+        if delay > 0.0:
+            self.loop.after(delay, lambda: self.arrive(agent, row))
+        else:
+            self.arrive(agent, row)
 
     def _persist(self, de: Engine, nbytes: float) -> None:
         """New Full Blocks go GPU -> DE buffer (D2H through the CNIC) -> storage NIC. One
@@ -674,6 +693,10 @@ class Handlers:
         nxt = self.agent_next[req.agent]
         if nxt < lo_hi[1]:
             self.agent_next[req.agent] = nxt + 1
-            self.arrive(req.agent, nxt)
+            if self.params.turn_return_s > 0.0:
+                self._next_turn(req.agent, nxt)
+                self._dispatch_de()  # as at a last turn, until it arrives
+            else:
+                self.arrive(req.agent, nxt)
         else:
             self._dispatch_de()
