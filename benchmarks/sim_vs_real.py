@@ -6,7 +6,8 @@ with the runtime's profile (`dualpath profile --model tiny`, measured first unle
 names one) on the same trajectories, and prints each mode's JCT and speedup over Basic side by
 side (medians of the real repeats; the simulation is deterministic). Nothing is fitted to the
 compared runs: the simulator knows only the profile (step costs of one engine measured alone,
-and the run configuration: NIC rates, engines, engine memory, block size, quota, beta).
+the control plane's per-turn latencies timed on turns of its own, and the run configuration:
+NIC rates, engines, engine memory, block size, quota, beta).
 
 Goal (issue 31): each speedup over Basic within 10%, each JCT within 20%.
 

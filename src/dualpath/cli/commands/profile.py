@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--turns", type=int, metavar="N",
                    help="turns timed through an emulated cluster for the control plane's "
                    "per-turn latency (run.control_plane; after 2 untimed ones; 0: not "
-                   "measured, none in the file) (default: 12, 3 with --quick; about 10 s on "
+                   "measured, none in the file) (default: 12, 3 with --quick; about 12 s on "
                    "the tiny model here, mostly the cluster's start)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = p.add_argument_group(
