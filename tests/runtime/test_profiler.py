@@ -11,7 +11,7 @@ import pytest
 from dualpath.cli.main import main
 from dualpath.experiments.step_profile import load_profile
 from dualpath.runtime.model.weights import tiny_random_model
-from dualpath.runtime.profiler import QUICK_GRID, measure
+from dualpath.runtime.profiler import QUICK_GRID, measure, num_points
 from dualpath.workload.jsonl import save_trajectories, trajectory_file
 from dualpath.workload.synthetic import generate, preset
 
@@ -19,7 +19,7 @@ from dualpath.workload.synthetic import generate, preset
 def test_measure_covers_the_grid() -> None:
     labels: list[str] = []
     m = measure(tiny_random_model(0), QUICK_GRID, on_point=labels.append)
-    assert len(labels) == QUICK_GRID.num_points
+    assert len(labels) == num_points(QUICK_GRID)
     assert {(s["cached"], s["new"], s["batch"]) for s in m.prefill} == {
         (c, n, b) for c in QUICK_GRID.prefill_cached for n in QUICK_GRID.prefill_new
         for b in QUICK_GRID.prefill_batch}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dualpath.core.step_grid import StepGrid
 from dualpath.core.store import BlockStore
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.model.sampling import SamplingParams
@@ -36,27 +37,19 @@ if TYPE_CHECKING:
     from dualpath.runtime.run_config import RunConfig
 
 
-@dataclass(frozen=True)
-class Grid:
-    """The points measured. Prefill: every (cached, new, batch) whose prompt fits the model;
-    decode: every (batch, context)."""
-
-    prefill_cached: tuple[int, ...] = (0, 256, 1024)
-    prefill_new: tuple[int, ...] = (16, 64, 256)
-    prefill_batch: tuple[int, ...] = (1, 2)
-    decode_batch: tuple[int, ...] = (1, 4, 16)
-    decode_context: tuple[int, ...] = (64, 512, 1536)
-    repeats: int = 3
-    """The default grid takes about 5 s on the tiny model and 2-3 minutes on SmolLM2 here."""
-
-    @property
-    def num_points(self) -> int:
-        return (len(self.prefill_cached) * len(self.prefill_new) * len(self.prefill_batch)
-                + len(self.decode_batch) * len(self.decode_context) + 1)
+DEFAULT_GRID = StepGrid(prefill_cached=(0, 256, 1024), prefill_new=(16, 64, 256),
+                        prefill_batch=(1, 2), decode_batch=(1, 4, 16),
+                        decode_context=(64, 512, 1536))
+"""About 5 s on the tiny model and 2-3 minutes on SmolLM2 here."""
 
 
-QUICK_GRID = Grid(prefill_cached=(0, 512), prefill_new=(16, 128), prefill_batch=(1, 2),
-                  decode_batch=(1, 8), decode_context=(64, 512), repeats=3)
+def num_points(grid: StepGrid) -> int:
+    """`measure`'s points: the grid's steps and the copy rates."""
+    return grid.num_steps + 1
+
+
+QUICK_GRID = StepGrid(prefill_cached=(0, 512), prefill_new=(16, 128), prefill_batch=(1, 2),
+                      decode_batch=(1, 8), decode_context=(64, 512), repeats=3)
 """A few seconds on the tiny model (tests, smoke runs)."""
 
 
@@ -120,7 +113,7 @@ def _decode_step(model: Any, batch: int, context: int, page_tokens: int) -> Call
     return step
 
 
-def measure(model: Any, grid: Grid, block_size: int = 64,
+def measure(model: Any, grid: StepGrid, block_size: int = 64,
             on_point: Callable[[str], None] | None = None) -> Measurements:
     """Time `model` over `grid` on one torch thread; `on_point(label)` after each point."""
     tick = on_point or (lambda _label: None)
@@ -150,7 +143,7 @@ def measure(model: Any, grid: Grid, block_size: int = 64,
     return out
 
 
-def _measure_prefill(model: Any, grid: Grid, out: Measurements,
+def _measure_prefill(model: Any, grid: StepGrid, out: Measurements,
                      tick: Callable[[str], None]) -> None:
     cfg = model.config
     gen = torch.Generator().manual_seed(0)

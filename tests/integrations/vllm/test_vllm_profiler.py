@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import pytest
 
+from dualpath.core.step_grid import StepGrid
 from dualpath.integrations.vllm.profiler import (
     DECODE_TOKENS,
-    VllmGrid,
     VllmProfileError,
     measure_server,
 )
@@ -94,14 +94,14 @@ def server() -> Iterator[str]:
         httpd.server_close()
 
 
-GRID = VllmGrid(prefill_cached=(0, 256), prefill_new=(16, 128), prefill_batch=(1, 2),
+GRID = StepGrid(prefill_cached=(0, 256), prefill_new=(16, 128), prefill_batch=(1, 2),
                 decode_batch=(1, 2), decode_context=(64,), repeats=1)
 
 
 def test_samples_show_the_servers_cache_and_costs(server: str) -> None:
     labels: list[str] = []
     m = measure_server(server, GRID, on_point=labels.append)
-    assert len(labels) == GRID.num_points
+    assert len(labels) == GRID.num_steps
     assert (m.info.block_size, m.info.num_gpu_blocks, m.info.max_model_len) == (BLOCK, 500, 1024)
     assert len(m.prefill) == 8 and len(m.decode) == 2
     # Hits as the cache counts them: the prefix computed before, whole blocks.

@@ -91,17 +91,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _grid(args: argparse.Namespace) -> Any:
-    from dualpath.runtime.profiler import QUICK_GRID, Grid
+    from dualpath.core.step_grid import StepGrid
+    from dualpath.runtime.profiler import DEFAULT_GRID, QUICK_GRID
 
-    grid = QUICK_GRID if args.quick else Grid()
+    grid = QUICK_GRID if args.quick else DEFAULT_GRID
     if args.repeats is not None:
         if args.repeats < 1:
             raise SpecError("profile", "repeats", args.repeats, "must be >= 1")
-        grid = Grid(**{**grid.__dict__, "repeats": args.repeats})
+        grid = grid.with_repeats(args.repeats)
     if args.max_context < 64:
         raise SpecError("profile", "max_context", args.max_context, "must be >= 64")
     cap = args.max_context
-    return Grid(
+    return StepGrid(
         prefill_cached=tuple(c for c in grid.prefill_cached if c + min(grid.prefill_new) <= cap),
         prefill_new=tuple(n for n in grid.prefill_new if n <= cap),
         prefill_batch=grid.prefill_batch,
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dualpath.experiments.step_profile import build_profile
     from dualpath.runtime.model.model_source import build_model
-    from dualpath.runtime.profiler import measure
+    from dualpath.runtime.profiler import measure, num_points
 
     grid = _grid(args)
     if args.turns is None:
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     layout = model.kv_layout(cfg.block_size)
     out = args.out or Path(f"profile-{args.model if args.model in ('tiny', 'smollm2') else mc.name}"
                            ".json")
-    with tqdm(total=grid.num_points, desc="profile", unit="point", file=sys.stderr,
+    with tqdm(total=num_points(grid), desc="profile", unit="point", file=sys.stderr,
               disable=args.no_progress) as bar:
 
         def tick(label: str) -> None:
@@ -263,20 +264,20 @@ def run_vllm(args: argparse.Namespace) -> int:
     from dualpath.experiments.step_profile import build_profile, fit_costs
     from dualpath.integrations.vllm.connector.plan import storage_read_disciplines
     from dualpath.integrations.vllm.profiler import (
+        DEFAULT_VLLM_GRID,
         QUICK_VLLM_GRID,
         ServerArgs,
-        VllmGrid,
         instance_cores,
         measure_server,
         start_server,
     )
     from dualpath.integrations.vllm.router.policy import DEFAULT_BETA_TOKENS
 
-    grid = QUICK_VLLM_GRID if args.quick else VllmGrid()
+    grid = QUICK_VLLM_GRID if args.quick else DEFAULT_VLLM_GRID
     if args.repeats is not None:
         if args.repeats < 1:
             raise SpecError("profile", "repeats", args.repeats, "must be >= 1")
-        grid = VllmGrid(**{**grid.__dict__, "repeats": args.repeats})
+        grid = grid.with_repeats(args.repeats)
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "staging_blocks"):
         if getattr(args, name) < 1:
             raise SpecError("profile", name, getattr(args, name), "must be >= 1")
@@ -306,7 +307,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             url = stack.enter_context(start_server(server, tmp / "vllm.log"))
             engine.update(server.engine(), url="(started by dualpath profile)",
                           cores=",".join(map(str, instance_cores())), prefix_caching=True)
-        with tqdm(total=grid.num_points, desc="profile", unit="point", file=sys.stderr,
+        with tqdm(total=grid.num_steps, desc="profile", unit="point", file=sys.stderr,
                   disable=args.no_progress) as bar:
 
             def tick(label: str) -> None:

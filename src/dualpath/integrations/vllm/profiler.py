@@ -43,6 +43,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.core.errors import DualPathError
+from dualpath.core.step_grid import StepGrid
 from dualpath.integrations.vllm.cluster.launch import cpu_sets, free_port, reaped_command
 
 DECODE_TOKENS = 16
@@ -53,26 +54,14 @@ class VllmProfileError(DualPathError, RuntimeError):
     """A server that cannot be profiled (unreachable, no prefix caching, a failed request)."""
 
 
-@dataclass(frozen=True)
-class VllmGrid:
-    """The points measured. Prefill: every (cached, new, batch) whose prompt fits the server's
-    `max_model_len`; decode: every (batch, context) with batch <= its `max_num_seqs`."""
-
-    prefill_cached: tuple[int, ...] = (0, 512, 1536)
-    prefill_new: tuple[int, ...] = (16, 128, 512)
-    prefill_batch: tuple[int, ...] = (1, 4)
-    decode_batch: tuple[int, ...] = (1, 4, 8)
-    decode_context: tuple[int, ...] = (128, 512, 1024)
-    repeats: int = 3
-    """The default grid takes about 3-4 minutes on SmolLM2 on one core here."""
-
-    @property
-    def num_points(self) -> int:
-        return (len(self.prefill_cached) * len(self.prefill_new) * len(self.prefill_batch)
-                + len(self.decode_batch) * len(self.decode_context))
+DEFAULT_VLLM_GRID = StepGrid(prefill_cached=(0, 512, 1536), prefill_new=(16, 128, 512),
+                             prefill_batch=(1, 4), decode_batch=(1, 4, 8),
+                             decode_context=(128, 512, 1024))
+"""About 3-4 minutes on SmolLM2 on one core here. Prefill points whose prompt does not fit the
+server's `max_model_len` and decode points with a batch over its `max_num_seqs` are skipped."""
 
 
-QUICK_VLLM_GRID = VllmGrid(prefill_cached=(0, 512), prefill_new=(16, 128),
+QUICK_VLLM_GRID = StepGrid(prefill_cached=(0, 512), prefill_new=(16, 128),
                            prefill_batch=(1, 2), decode_batch=(1, 4),
                            decode_context=(128, 512), repeats=2)
 """Under a minute on SmolLM2 (tests, smoke runs)."""
@@ -198,7 +187,7 @@ def server_info(url: str) -> ServerInfo:
 
 # -- measuring -----------------------------------------------------------------------------
 
-def measure_server(url: str, grid: VllmGrid, seed: int = 0,
+def measure_server(url: str, grid: StepGrid, seed: int = 0,
                    on_point: Callable[[str], None] | None = None) -> VllmMeasurements:
     """Time the vLLM server at `url` over `grid`; `on_point(label)` after each point."""
     tick = on_point or (lambda _label: None)
