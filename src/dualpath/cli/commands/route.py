@@ -115,12 +115,12 @@ def route(args: argparse.Namespace) -> int:
         raise SpecError("route", "store", args.store, f"{why}; start the vLLM instances with "
                         "DualPathConnector (store_path = this folder) first") from None
     kv_per_token = manifest.full_block_bytes / manifest.block_size
-    params, is_rr = route_params(args.mode, manifest.block_size, kv_per_token,
-                                 args.alpha_tokens, args.beta_tokens, args.storage_gbps)
+    params, _ = route_params(args.mode, manifest.block_size, kv_per_token,
+                             args.alpha_tokens, args.beta_tokens, args.storage_gbps)
     cfg = RouterConfig(
         prefill=tuple(u.rstrip("/") for u in args.prefill),
         decode=tuple(u.rstrip("/") for u in args.decode), sides=tuple(args.side),
-        store=store, manifest=manifest, params=params, mode=args.mode, is_round_robin=is_rr,
+        store=store, manifest=manifest, params=params, mode=args.mode,
         model=args.model, queue_timeout_s=args.queue_timeout,
         upstream_timeout_s=args.upstream_timeout, poll_interval_s=args.poll_interval,
         decode_kv_capacity_bytes=None if args.decode_kv_gib is None

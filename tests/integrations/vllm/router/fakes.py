@@ -94,11 +94,11 @@ def routed(store: tuple[Path, StoreManifest], prefill: Sequence[Fake], decode: S
            mode: str = "dualpath", **cfg: Any) -> Iterator[httpx2.Client]:
     """A router over the fakes, served on loopback; yields a client of it."""
     root, manifest = store
-    params, rr = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=1e9)
+    params, _ = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=1e9)
     config = RouterConfig(prefill=tuple(f.url for f in prefill),
                           decode=tuple(f.url for f in decode),
                           sides=tuple(side(j) for j in range(len(decode))), store=root,
-                          manifest=manifest, params=params, mode=mode, is_round_robin=rr,
+                          manifest=manifest, params=params, mode=mode,
                           **{"poll_interval_s": 0.05, **cfg})
     server = HttpServer(make_app(Router(config)), "127.0.0.1", 0,
                         ServerConfig(log_level="warning"))

@@ -169,11 +169,11 @@ def cluster(store: tuple[Path, StoreManifest], mode: str = "dualpath",
     prefill = prefill or FakeVllm()
     decode = FakeVllm()
     beta = cfg.pop("beta_tokens", 1e9)
-    params, rr = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=beta)
+    params, _ = route_params(mode, BS, BLOCK_BYTES / BS, alpha_tokens=1e9, beta_tokens=beta)
     with served(prefill.app, INSTANCE) as p_url, served(decode.app, INSTANCE) as d_url:
         config = RouterConfig(prefill=(p_url,), decode=(decode_url or d_url,), sides=(SIDE,),
                               store=root, manifest=manifest, params=params, mode=mode,
-                              is_round_robin=rr, poll_interval_s=0.02, **cfg)
+                              poll_interval_s=0.02, **cfg)
         with served(make_app(Router(config)), server or ROUTER) as url, \
                 httpx2.Client(base_url=url, timeout=WAIT_S) as client:
             yield client, prefill, decode

@@ -69,6 +69,7 @@ from dualpath.http import exposition
 from dualpath.http.api_error import ApiError, add_error_handlers, bad_request, server_error
 from dualpath.integrations.vllm.manifest import LoadReport, RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, Route, RoutePolicy
+from dualpath.sched.mode import mode_preset
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
 
@@ -105,7 +106,6 @@ class RouterConfig:
     manifest: StoreManifest
     params: SchedulerParams
     mode: str
-    is_round_robin: bool = False
     model: str | None = None
     """The model name put in a request that names none (default: the instances' choice)."""
     queue_timeout_s: float = 60.0
@@ -138,6 +138,12 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.model or self.manifest.model
+
+    @property
+    def is_round_robin(self) -> bool:
+        """Basic's "w/o scheduling", round robin over the instances: the mode's
+        (`sched.mode.mode_preset`), as `policy.route_params` gives it."""
+        return mode_preset(self.mode).is_round_robin
 
 
 def parse_vllm_metrics(text: str, kv_bytes_per_token: float) -> InstanceMetrics:
