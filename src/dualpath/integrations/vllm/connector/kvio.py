@@ -33,11 +33,11 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -45,6 +45,8 @@ from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.transport.pacing import Pacer
+
+T = TypeVar("T")
 
 
 def wait_for_device(t: torch.Tensor) -> None:
@@ -128,30 +130,45 @@ class WorkerCounters:
 _COUNTERS = frozenset(f.name for f in fields(WorkerCounters))
 
 
-class _Buffers:
-    """Reusable uint8 staging buffers (pinned when the paged KV is on a GPU, so copies to it
-    are DMA), taken whole and given back: no step allocates fresh memory per block."""
+class FitPool(Generic[T]):
+    """Items taken whole and given back, to be reused (the KV worker's staging buffers, a
+    prefill worker's registered bounce buffers): `take` gives the smallest free item that
+    fits, else a new one; `give` keeps the largest `max_kept` free ones and `drop`s the rest."""
 
-    def __init__(self, max_kept: int = 4) -> None:
+    def __init__(self, size_of: Callable[[T], int],
+                 drop: Callable[[T], None] = lambda _item: None, max_kept: int = 4) -> None:
+        self.size_of = size_of
+        self.drop = drop
         self.max_kept = max_kept
-        self._free: list[torch.Tensor] = []
+        self._free: list[T] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """A buffer of at least `nbytes` (the smallest free one that fits, else a new one)."""
+    def take(self, size: int, make: Callable[[], T],
+             accepts: Callable[[T], bool] = lambda _item: True) -> T:
+        """A free item of at least `size` that `accepts` takes (the smallest), else `make()`."""
         with self._lock:  # (by position: `==` on tensors compares their elements)
-            fits = [i for i, b in enumerate(self._free)
-                    if b.numel() >= nbytes and b.is_pinned() == pinned]
+            fits = [i for i, item in enumerate(self._free)
+                    if self.size_of(item) >= size and accepts(item)]
             if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                return self._free.pop(min(fits, key=lambda i: self.size_of(self._free[i])))
+        return make()
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, item: T) -> None:
         with self._lock:
-            self._free.append(buf)
+            self._free.append(item)
+            dropped = None
             if len(self._free) > self.max_kept:  # keep the largest
-                self._free.pop(min(range(len(self._free)),
-                                   key=lambda i: self._free[i].numel()))
+                dropped = self._free.pop(min(range(len(self._free)),
+                                             key=lambda i: self.size_of(self._free[i])))
+        if dropped is not None:
+            self.drop(dropped)
+
+    def close(self) -> None:
+        """Drop every free item."""
+        with self._lock:
+            free, self._free = self._free, []
+        for item in free:
+            self.drop(item)
 
 
 @dataclass
@@ -162,7 +179,7 @@ class _Saves:
     block_ids: list[int]
     keys: list[bytes]
     buf: torch.Tensor
-    """The `_Buffers` buffer the rows live in (given back once every row is written)."""
+    """The staging buffer the rows live in (given back once every row is written)."""
     rows: torch.Tensor
     """uint8 [len(block_ids), full_block_bytes]."""
     ids: dict[torch.device, torch.Tensor]
@@ -205,7 +222,9 @@ class KVWorker:
         """Guards the counters and the event log (engine and background threads share them)."""
         self.counters = WorkerCounters()
         self._plan = StepPlan()
-        self._buffers = _Buffers()
+        self._buffers = FitPool[torch.Tensor](size_of=torch.Tensor.numel)
+        """Reusable uint8 staging buffers (pinned where the paged KV is on a GPU, so copies
+        to it are DMA): no step allocates fresh memory per block (`_take_buffer`)."""
         self._loaded_ids: list[int] = []
         """vLLM block ids of this step's loads, in staging row order."""
         self._staging: torch.Tensor | None = None
@@ -248,7 +267,7 @@ class KVWorker:
         staging = None
         if not in_place:
             pinned = self._is_cuda()
-            self._staging_buf = self._buffers.take(len(loads) * self.full_block_bytes, pinned)
+            self._staging_buf = self._take_buffer(len(loads) * self.full_block_bytes, pinned)
             staging = self._staging_buf[:len(loads) * self.full_block_bytes].view(
                 len(self.layer_names), len(loads), self.page_bytes)
 
@@ -334,7 +353,7 @@ class KVWorker:
 
     def _load_whole_staged(self, t: BlockTransfer) -> int:
         n, num_layers = len(t.block_ids), len(self.layer_names)
-        buf = self._buffers.take(n * self.full_block_bytes, self._is_cuda())
+        buf = self._take_buffer(n * self.full_block_bytes, self._is_cuda())
         try:
             staging = buf[:n * self.full_block_bytes].view(num_layers, n, self.page_bytes)
             staging_np = staging.numpy()
@@ -460,6 +479,11 @@ class KVWorker:
         return errors
 
     # -- helpers ---------------------------------------------------------------------------
+    def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        return self._buffers.take(
+            nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned),
+            lambda b: b.is_pinned() == pinned)
+
     def _is_cuda(self) -> bool:
         return any(kv.is_cuda for kv in self._kv_caches.values())
 
@@ -494,7 +518,7 @@ class KVWorker:
         if not block_ids:
             return None
         n = len(block_ids)
-        buf = self._buffers.take(n * self.full_block_bytes, self._is_cuda())
+        buf = self._take_buffer(n * self.full_block_bytes, self._is_cuda())
         return _Saves(block_ids, keys, buf,
                       buf[:n * self.full_block_bytes].view(n, self.full_block_bytes), {})
 

@@ -48,6 +48,7 @@ import torch
 
 from dualpath.integrations.vllm.connector.digest import block_digests, matches
 from dualpath.integrations.vllm.connector.kvio import (
+    FitPool,
     KVWorker,
     gather_pages,
     paged_kv_bases,
@@ -127,8 +128,8 @@ def _bounce_rows(n: int) -> int:
 
 
 class BouncePool:
-    """`Bounce` buffers taken whole and given back: each is registered with NIXL and its
-    list prepared once, when made; the largest `max_kept` free ones are kept."""
+    """`Bounce` buffers taken whole and given back (`kvio.FitPool`): each is registered with
+    NIXL and its list prepared once, when made; the largest `max_kept` free ones are kept."""
 
     def __init__(self, link: NixlAgent, num_layers: int, page_bytes: int, pinned: bool,
                  max_kept: int = 2 + BACKGROUND_LOAD_THREADS) -> None:
@@ -136,8 +137,8 @@ class BouncePool:
         self.num_layers = num_layers
         self.page_bytes = page_bytes
         self.pinned = pinned
-        self.max_kept = max_kept
-        self._free: list[Bounce] = []
+        self._pool = FitPool[Bounce](size_of=lambda b: b.rows, drop=self._drop,
+                                     max_kept=max_kept)
         self._lock = threading.Lock()
         self.num_made = 0
         """Buffers made (each a NIXL registration and a prepared list)."""
@@ -145,11 +146,7 @@ class BouncePool:
     def take(self, rows: int) -> Bounce:
         """A buffer of at least `rows` rows (the smallest free one that fits, else a new one),
         its earlier copies done."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.rows >= rows]
-            b = self._free.pop(min(fits, key=lambda i: self._free[i].rows)) if fits else None
-        if b is None:
-            return self._make(_bounce_rows(rows))
+        b = self._pool.take(rows, lambda: self._make(_bounce_rows(rows)))
         if b.event is not None:
             b.event.synchronize()
             b.event = None
@@ -158,14 +155,7 @@ class BouncePool:
     def give(self, b: Bounce) -> None:
         """Give `b` back (its copies to a GPU, `Bounce.copied_out`, are waited for before it
         is taken again)."""
-        with self._lock:
-            self._free.append(b)
-            drop = None
-            if len(self._free) > self.max_kept:  # keep the largest
-                drop = self._free.pop(min(range(len(self._free)),
-                                          key=lambda i: self._free[i].rows))
-        if drop is not None:
-            self._drop(drop)
+        self._pool.give(b)
 
     def _make(self, rows: int) -> Bounce:
         nbytes = self.num_layers * rows * self.page_bytes
@@ -191,10 +181,7 @@ class BouncePool:
             self.link.deregister([(int(b.buf.data_ptr()), b.buf.numel())])
 
     def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for b in free:
-            self._drop(b)
+        self._pool.close()
 
 
 class PrefillRemote:
