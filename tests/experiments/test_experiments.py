@@ -58,8 +58,12 @@ def test_ablation_and_balance(tmp_path: Path) -> None:
     rows = _rows(tmp_path / "fig12_ablation.csv")
     assert [r["mode"] for r in rows] == ["basic", "layerwise", "dual-path", "dualpath"]
     assert float(rows[0]["reduction_pct"]) == 0.0
-    assert (tmp_path / "fig13_14_balance.png").exists()
-    assert "round robin" in sec.body
+    for f in ("fig13_snic_windows.png", "fig14_attention_first5pct.png"):
+        assert (tmp_path / f) in sec.files
+    windows = _rows(tmp_path / "fig13_snic_windows.csv")
+    assert {r["mode"] for r in windows} == {"dual-path", "dualpath"}
+    assert "node5_read_GBps" in windows[0]  # 2P4D: one column per machine
+    assert "round robin" in sec.body and "engines that ran" in sec.body
 
 
 def test_fig8_pd_ratios(tmp_path: Path) -> None:

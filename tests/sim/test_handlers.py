@@ -10,6 +10,7 @@ from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
+from dualpath.sched import cost as costmod
 from dualpath.sched.params import derive_scheduler_params
 from dualpath.sim import Driver, ReadDiscipline, SimConfig, SimParams, SimResult, Workload
 from dualpath.sim.config import FIFO
@@ -92,14 +93,28 @@ def test_link_loads_follow_the_papers_accounting() -> None:
     assert per_kind["de_dram"] * d == pytest.approx(2 * full_rp + 3 * full_rd)
 
 
-def test_unbalanced_attention_shows_as_bubbles_in_a_synchronized_group() -> None:
-    # One long prompt on one engine of the node: the others wait at the FFN sync.
-    wl = Workload.from_lists([[(30000, 0, 2)], [(200, 0, 2)]])
-    r = run_offline(tiny_cluster(1, 1), wl, "basic")
-    assert r.attention_max_over_avg > 2.0
+def test_attention_balance_counts_only_the_engines_that_ran_in_a_step() -> None:
+    # Step 1: the 8,000-token prompt alone on engine 0 (Max/Avg 1, though the node's other
+    # seven engines join the step); step 2: the other two, together on engines 1 and 2.
+    wl = Workload.from_lists([[(8000, 0, 2)], [(4000, 0, 2)], [(1000, 0, 2)]])
+    sim = Simulator(SimConfig(tiny_cluster(1, 1), wl, driver=Driver(num_agents=3))
+                    .with_mode("basic"))
+    r = sim.run()
+    starts = r.col("prefill_start_s")
+    assert r.num_prefill_steps == 2 and starts[0] < starts[1] == starts[2]
+    assert sorted(r.col("pe_engine").tolist()) == [0, 1, 2]
+    cl = sim.cluster
+    big, small = (costmod.prefill_attention_time_s(cl.model, cl.hw, [(0, n)], cl.coeffs)
+                  for n in (4000, 1000))
+    step2 = big / ((big + small) / 2)
+    assert r.attention_ran_max_over_avg == pytest.approx((1.0 + step2) / 2, rel=1e-12)
+    assert r.attention_engines_ran_mean == 1.5
+    # Both steps start in the first bin, within the run's first 5%.
+    assert r.attention_ran_max_over_avg_first5 == r.attention_ran_max_over_avg
     dense = run_offline(tiny_cluster(1, 1), wl, "basic",
                         params=SimParams(is_group_synchronized=False))
-    assert dense.attention_max_over_avg == 1.0  # no group: no bubble metric
+    assert dense.attention_ran_max_over_avg == 1.0  # no group: no bubble metric
+    assert dense.attention_engines_ran_mean == 0.0
 
 
 def test_reads_wait_for_dram_buffer_room() -> None:

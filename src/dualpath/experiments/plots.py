@@ -105,6 +105,26 @@ def lines(
     return _finish(fig, ax, path, title, grid_axis="both")
 
 
+def time_series(
+    path: Path,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    hlines: Sequence[tuple[float, str]] = (),
+) -> Path:
+    """One line per series, each over its own x (e.g. time; NaN values leave gaps), without
+    markers; `hlines` = (y, label) references such as the paper's values."""
+    fig, ax = _plt().subplots(figsize=(6.4, 4.0))
+    for name, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), linewidth=1.2, label=name, color=COLORS.get(name))
+    for (y, label), style in zip(hlines, ("--", ":", "-.", "--"), strict=False):
+        ax.axhline(y, color="grey", linestyle=style, linewidth=1, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return _finish(fig, ax, path, title, grid_axis="both")
+
+
 def stacked_bars(
     path: Path,
     categories: Sequence[str],

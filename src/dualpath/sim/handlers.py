@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from typing import Final
 
 from dualpath.sched import cost as costmod
 from dualpath.sched.scheduler import Stage
@@ -53,6 +54,9 @@ from dualpath.sim.state import (
 from dualpath.sim.topology import Cluster
 
 ProgressFn = Callable[[int], None]
+
+ATTN_BIN_S: Final = 1.0
+"""Width (simulated seconds) of the bins in which steps' attention Max/Avg is summed."""
 
 
 class Handlers:
@@ -104,10 +108,14 @@ class Handlers:
         A PE fetch reads it for the DE nodes of the requests it assigns; giving it every DE node
         (not only those of queued requests) changes no decision and copies in O(DE nodes)."""
         self.ttft = TtftLog()
-        self.attn_ratio_sum = 0.0
-        self.attn_ratio_steps = 0
-        self.attn_ratio_first: list[float] = []
-        """Max/mean attention time of every synchronized prefill step, in order."""
+        self.attn_bin_s: float = ATTN_BIN_S
+        self.attn_bin_ratio: list[float] = []
+        self.attn_bin_steps: list[int] = []
+        """Per `ATTN_BIN_S` bin of step start times: the sum over synchronized prefill steps of
+        max/mean attention time across the engines that ran in the step (paper Fig. 14), and
+        the number of those steps."""
+        self.attn_engines_ran = 0
+        """Engines that ran, summed over the synchronized steps."""
         self.num_prefill_steps = 0
 
     # -- arrival and inter-engine scheduling ---------------------------------------------------
@@ -355,6 +363,21 @@ class Handlers:
         self._try_prefill(self.cluster.pgroup_of[req.pe_engine])
 
     # -- prefill ----------------------------------------------------------------------------------
+    def _record_attention_balance(self, now: float, ran_n: int, ran_sum: float,
+                                  ran_max: float) -> None:
+        """Account one synchronized step's attention Max/Avg across the `ran_n` engines that
+        had work in it (those without join the step but are not counted: paper Fig. 14)."""
+        if ran_n <= 0 or ran_sum <= 0.0:
+            return
+        b = int(now / self.attn_bin_s)
+        bins, steps = self.attn_bin_ratio, self.attn_bin_steps
+        if len(bins) <= b:
+            bins.extend([0.0] * (b + 1 - len(bins)))
+            steps.extend([0] * (b + 1 - len(steps)))
+        bins[b] += ran_max * ran_n / ran_sum
+        steps[b] += 1
+        self.attn_engines_ran += ran_n
+
     def _try_prefill(self, grp: PrefillGroup) -> None:
         """Start the group's next step if it is idle and any of its engines has work."""
         if grp.is_busy:
@@ -364,6 +387,9 @@ class Handlers:
         step: list[tuple[Req, int]] = []
         attn: list[float] = []
         total_new = 0
+        ran_n = 0  # engines with work in this step, and their attention times' sum and max
+        ran_sum = 0.0
+        ran_max = 0.0
         for e in grp.engines:
             eng = self.engines[e]
             if not eng.ready:
@@ -374,8 +400,13 @@ class Handlers:
                 step.append((req, n))
                 pairs.append((req.cached_tokens, n))
                 total_new += n
-            attn.append(costmod.prefill_attention_time_s(model, hw, pairs, coeffs)
-                        if cl.step_costs is None else cl.step_costs.prefill_pass_time_s(pairs))
+            attn_s = (costmod.prefill_attention_time_s(model, hw, pairs, coeffs)
+                      if cl.step_costs is None else cl.step_costs.prefill_pass_time_s(pairs))
+            attn.append(attn_s)
+            if pairs:
+                ran_n += 1
+                ran_sum += attn_s
+                ran_max = max(ran_max, attn_s)
         if not step:
             return
         grp.is_busy = True
@@ -389,11 +420,7 @@ class Handlers:
         elif cl.is_sync:
             per_engine = total_new / len(grp.engines)
             compute_s = max(attn) + costmod.prefill_ffn_time_s(model, hw, per_engine, coeffs)
-            mean = sum(attn) / len(attn)
-            ratio = max(attn) / mean if mean > 0 else 1.0
-            self.attn_ratio_sum += ratio
-            self.attn_ratio_steps += 1
-            self.attn_ratio_first.append(ratio)
+            self._record_attention_balance(now, ran_n, ran_sum, ran_max)
         else:
             compute_s = attn[0] + costmod.prefill_ffn_time_s(model, hw, total_new, coeffs)
         if cl.step_costs is None:

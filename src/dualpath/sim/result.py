@@ -4,7 +4,8 @@ latency percentiles, per-resource utilization and the paper's balance metrics.""
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -73,12 +74,25 @@ class SimResult:
     storage_read_bytes_by_node: tuple[float, ...]
     storage_read_series_by_node: tuple[tuple[float, ...], ...]
     """Storage-NIC read utilization of every node per time bin (paper Fig. 13's traffic)."""
-    storage_nic_max_over_avg: float
-    """Max/Avg of bytes read over every node's storage NIC (paper Fig. 13: 1.53 -> 1.18)."""
-    attention_max_over_avg: float
-    """Mean over synchronized prefill steps of max/avg attention time in the group (Fig. 14)."""
-    attention_max_over_avg_first5: float
-    """The same over the first 5% of the steps (the paper reports 1.06 there)."""
+    snic_window_series: tuple[float, ...]
+    """Per `utilization_bin_s` window: Max/Avg across machines of the bytes their storage NICs
+    read in it (paper Fig. 13); NaN in windows where no machine read."""
+    snic_window_max_over_avg: float
+    """Mean of `snic_window_series` over the windows where some machine read (paper Fig. 13:
+    1.53 round robin -> 1.18 DualPath)."""
+    attention_bin_s: float
+    attention_series: tuple[float, ...]
+    """Per `attention_bin_s` bin of step start times: the mean over synchronized prefill steps
+    of Max/Avg attention time across the group's engines that ran in the step (engines with
+    no work in it excluded; paper Fig. 14); NaN in bins without such steps."""
+    attention_ran_max_over_avg: float
+    """That Max/Avg averaged over every synchronized prefill step of the run (1.0 when the
+    run had none: no synchronized group, or measured step costs)."""
+    attention_ran_max_over_avg_first5: float
+    """The same over the steps started in the first 5% of the run's duration (to the bin;
+    the paper: as low as 1.06 there with DualPath)."""
+    attention_engines_ran_mean: float
+    """Engines that ran per synchronized step, on average (0 when none)."""
     buffer_peak_bytes_by_node: tuple[float, ...]
     num_prefill_steps: int
     num_events: int
@@ -170,9 +184,10 @@ class SimResult:
             "ttst_s": {"mean": _mean(self.ttst_s), **self.percentiles(self.ttst_s)},
             "tpot_s": {"mean": _mean(self.tpot_s), **self.percentiles(self.tpot_s)},
             "ttft_breakdown_s": self.ttft_breakdown_s(),
-            "storage_nic_max_over_avg": self.storage_nic_max_over_avg,
-            "attention_max_over_avg": self.attention_max_over_avg,
-            "attention_max_over_avg_first5": self.attention_max_over_avg_first5,
+            "snic_window_max_over_avg": self.snic_window_max_over_avg,
+            "attention_ran_max_over_avg": self.attention_ran_max_over_avg,
+            "attention_ran_max_over_avg_first5": self.attention_ran_max_over_avg_first5,
+            "attention_engines_ran_mean": self.attention_engines_ran_mean,
             "resources": {
                 k: {
                     "num_links": u.num_links,
@@ -204,6 +219,50 @@ class SimResult:
 
 def _mean(x: FloatArray) -> float:
     return float(np.mean(x)) if len(x) else 0.0
+
+
+FIRST_FRACTION = 0.05
+"""The early part of a run that paper Fig. 14 reports on: its first 5%."""
+
+
+def window_max_over_avg(bytes_by_machine: Sequence[Sequence[float]] | FloatArray) -> FloatArray:
+    """Per time window (the inner index): the largest machine's bytes over the machines' mean
+    bytes in that window (paper Fig. 13's Max/Avg); NaN where no machine moved a byte."""
+    a = np.asarray(bytes_by_machine, dtype=np.float64)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        return np.zeros(0)
+    mean = a.mean(axis=0)
+    out = np.full(a.shape[1], np.nan)
+    busy = mean > 0.0
+    out[busy] = a.max(axis=0)[busy] / mean[busy]
+    return out
+
+
+def mean_finite(x: FloatArray, empty: float = 1.0,
+                weights: FloatArray | None = None) -> float:
+    """Mean of the non-NaN entries, optionally weighted (`empty` when there are none)."""
+    keep = ~np.isnan(x)
+    if not keep.any():
+        return empty
+    if weights is None:
+        return float(np.mean(x[keep]))
+    w = np.asarray(weights, dtype=np.float64)[keep]
+    return float(np.sum(x[keep] * w) / np.sum(w)) if np.sum(w) > 0 else empty
+
+
+def binned_step_balance(ratio_sums: Sequence[float], steps: Sequence[int], bin_s: float,
+                        duration_s: float) -> tuple[FloatArray, float, float]:
+    """From per-bin sums of the steps' Max/Avg and per-bin step counts: the mean per bin (NaN
+    where no step), the mean over every step, and the mean over the steps of the bins that
+    start within the first `FIRST_FRACTION` of `duration_s` (at least the first bin)."""
+    sums = np.asarray(ratio_sums, dtype=np.float64)
+    n = np.asarray(steps, dtype=np.float64)
+    series = np.full(len(sums), np.nan)
+    series[n > 0] = sums[n > 0] / n[n > 0]
+    total = float(sums.sum() / n.sum()) if n.sum() > 0 else 1.0
+    k = max(1, math.ceil(FIRST_FRACTION * duration_s / bin_s))
+    early = float(sums[:k].sum() / n[:k].sum()) if n[:k].sum() > 0 else 1.0
+    return series, total, early
 
 
 def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: EventLoop,
@@ -258,10 +317,13 @@ def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: 
             series,
         )
     read_bytes = tuple(float(n.read_tokens_total * cluster.kv_bpt) for n in cluster.nodes)
-    mean_read = sum(read_bytes) / len(read_bytes)
-    snic_ratio = max(read_bytes) / mean_read if mean_read > 0 else 1.0
-    ratios = handlers.attn_ratio_first
-    first = ratios[: max(1, len(ratios) // 20)] if ratios else []
+    read_series = tuple(tuple(n.snic_read.utilization_series(duration)) for n in cluster.nodes)
+    snic_windows = window_max_over_avg(
+        [[u * n.snic_read.capacity_bytes_per_s * bin_s for u in series]
+         for n, series in zip(cluster.nodes, read_series, strict=True)])
+    attn_series, attn_all, attn_first = binned_step_balance(
+        handlers.attn_bin_ratio, handlers.attn_bin_steps, handlers.attn_bin_s, duration)
+    attn_steps = sum(handlers.attn_bin_steps)
     return SimResult(
         mode=_mode_name(config.mode),
         cluster=config.cluster.label,
@@ -276,13 +338,15 @@ def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: 
         resources=resources,
         utilization_bin_s=bin_s,
         storage_read_bytes_by_node=read_bytes,
-        storage_read_series_by_node=tuple(
-            tuple(n.snic_read.utilization_series(duration)) for n in cluster.nodes
-        ),
-        storage_nic_max_over_avg=snic_ratio,
-        attention_max_over_avg=(handlers.attn_ratio_sum / handlers.attn_ratio_steps
-                                if handlers.attn_ratio_steps else 1.0),
-        attention_max_over_avg_first5=(sum(first) / len(first) if first else 1.0),
+        storage_read_series_by_node=read_series,
+        snic_window_series=tuple(float(v) for v in snic_windows),
+        snic_window_max_over_avg=mean_finite(snic_windows),
+        attention_bin_s=handlers.attn_bin_s,
+        attention_series=tuple(float(v) for v in attn_series),
+        attention_ran_max_over_avg=attn_all,
+        attention_ran_max_over_avg_first5=attn_first,
+        attention_engines_ran_mean=(handlers.attn_engines_ran / attn_steps if attn_steps
+                                    else 0.0),
         buffer_peak_bytes_by_node=tuple(n.buffer_peak_bytes for n in cluster.nodes),
         num_prefill_steps=handlers.num_prefill_steps,
         num_events=loop.num_events,

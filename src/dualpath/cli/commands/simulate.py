@@ -127,7 +127,7 @@ def _render(results: dict[str, SimResult]) -> str:
         lines.append(
             f"  {name:<10} {r.jct_s:>10.1f} {speed:>9} {ttft['p50']:>9.2f} {ttft['p99']:>9.2f} "
             f"{(tpot.mean() * 1e3 if len(tpot) else 0.0):>8.1f} {snic:>9.1%} "
-            f"{r.storage_nic_max_over_avg:>9.2f} {r.attention_max_over_avg:>9.2f}"
+            f"{r.snic_window_max_over_avg:>9.2f} {r.attention_ran_max_over_avg:>9.2f}"
         )
     return "\n".join(lines)
 
