@@ -108,20 +108,22 @@ def run_phase(phase: str, model: str, store: Path, out: Path, args: argparse.Nam
 
         init = json.loads(events.read_text().splitlines()[0])
         bs, namespace = int(init["block_size"]), bytes.fromhex(init["namespace"])
-        store_obj = BlockStore(store, int(init["full_block_bytes"]), is_durable=False)
+        g = int(init.get("blocks_per_file", 1))  # a store file holds g blocks
+        store_obj = BlockStore(store, g * int(init["full_block_bytes"]), is_durable=False)
         keys = block_keys(p2, bs, parent=namespace)
         result["block_size"] = bs
         result["blocks_in_store_after_turn1"] = len(store_obj.keys())
         # Turn 2 may reuse the stored blocks of its prompt, less one token to compute.
-        result["expected_hit_tokens"] = bs * hit_blocks(keys, len(p2), store_obj.contains, bs)
+        result["expected_hit_tokens"] = bs * hit_blocks(keys, len(p2), store_obj.contains, bs,
+                                                        blocks_per_file=g)
     out2, cached2, s2 = generate(p2, TURN2_TOKENS)
     result.update(p1_tokens=len(p1), out1=out1, cached1=cached1, turn1_s=round(s1, 1),
                   p2_tokens=len(p2), out2=out2, cached2=cached2, turn2_s=round(s2, 1),
                   text2=tok.decode(out2))
     if phase == "connector":
         result["blocks_in_store_after_turn2"] = len(store_obj.keys())
-        # Corrupt turn 2's second block: one payload byte flipped (the header stays valid).
-        victim = store_obj.path_of(keys[1])
+        # Corrupt turn 2's second file (block): one payload byte flipped (the header stays valid).
+        victim = store_obj.path_of(keys[2 * g - 1])
         data = bytearray(victim.read_bytes())
         data[64 + 1000] ^= 0xFF
         victim.write_bytes(bytes(data))
@@ -131,7 +133,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path, args: argparse.Nam
         result["events"] = [json.loads(x) for x in events.read_text().splitlines()]
         result["events_of_rerun"] = result["events"][n_events:]
         buf = bytearray(store_obj.full_block_bytes)
-        result["corrupt_block_rewritten_and_valid"] = store_obj.get_into(keys[1], buf)
+        result["corrupt_block_rewritten_and_valid"] = store_obj.get_into(keys[2 * g - 1], buf)
     out.write_text(json.dumps(result))
 
 

@@ -234,7 +234,7 @@ def main() -> int:
             p2 = p1 + ref1 + closing + list(tok.encode(
                 f"\n<|im_start|>user\n{USER_2}<|im_end|>\n<|im_start|>assistant\n"))
             m = find_manifest(spec.store)
-            store = BlockStore(spec.store, m.full_block_bytes, is_durable=False)
+            store = BlockStore(spec.store, m.file_bytes, is_durable=False)
             keys = block_keys(p2, m.block_size, m.namespace_bytes)
             hit = m.hit_blocks(p2, store.contains)
             runs = {"recompute": pd_turn(cluster, model, p2, args.turn2_tokens, 0, 0),
@@ -282,7 +282,8 @@ def main() -> int:
             r["decode_cached"] == len(p2) - 1 for r in runs.values()),
         "DE path pulled every hit block over NIXL": any(
             e["ok"] == hit and e["blocks"] == hit for e in pulls),
-        "corrupt block: one pull stopped short": any(e["ok"] == hit - 1 for e in pulls),
+        "corrupt block: one pull stopped short": any(
+            e["ok"] == hit - m.blocks_per_file for e in pulls),  # its file's blocks
         "corrupt block rewritten by the decode server": rewritten,
         "router: turn 2 through basic (PE) = through the DE path": (
             routed["reply2_basic"] == routed["reply2_de"] != ""),
@@ -301,6 +302,7 @@ def main() -> int:
         checks.update(failover_checks(failover))
         checks["no shared memory of the cluster left"] = not shm
     summary = {"hosts": args.hosts, "startup_s": startup_s, "block_size": bs,
+               "blocks_per_file": m.blocks_per_file,
                "turn1_prompt_tokens": len(p1),
                "turn2_prompt_tokens": len(p2), "hit_blocks": hit,
                "runs": {k: {x: v for x, v in r.items() if x != "out"} for k, r in runs.items()},

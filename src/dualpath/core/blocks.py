@@ -69,15 +69,24 @@ def hit_blocks(
     is_stored: Callable[[bytes], bool],
     block_size: int = DEFAULT_BLOCK_SIZE,
     first: int = 0,
+    blocks_per_file: int = 1,
 ) -> int:
     """A prompt's hit in blocks: blocks `[0, n)` are taken from storage (or, below `first`, the
     caller has them already, as vLLM's own prefix cache does), `n` the end of the run of
     stored keys from `first` on, at most `max_hit_blocks`. `keys` are the prompt's block keys
-    (`block_keys`, from any parent), at least `max_hit_blocks` of them."""
-    limit = max_hit_blocks(num_prompt_tokens, block_size)
-    if len(keys) < limit:
-        raise ValueError(f"{len(keys)} block keys for a prompt that may hit {limit} blocks")
-    n = first
-    while n < limit and is_stored(keys[n]):
+    (`block_keys`, from any parent), at least `max_hit_blocks` of them.
+
+    `blocks_per_file` (g): a stored file holds g aligned blocks, `[i * g, (i + 1) * g)`, under
+    its last block's key, whole or not at all, so a hit counts whole files: `n` is a multiple
+    of g (at most `max_hit_blocks(num_prompt_tokens, g * block_size)` files), or `first` when
+    the file holding block `first` is not stored. g = 1 is the rule above, block by block."""
+    g = blocks_per_file
+    if g < 1:
+        raise SpecError("blocks", "blocks_per_file", g, "must be an integer >= 1")
+    limit = max_hit_blocks(num_prompt_tokens, block_size * g)
+    if len(keys) < limit * g:
+        raise ValueError(f"{len(keys)} block keys for a prompt that may hit {limit * g} blocks")
+    n = first // g
+    while n < limit and is_stored(keys[n * g + g - 1]):
         n += 1
-    return n
+    return max(n * g, first)

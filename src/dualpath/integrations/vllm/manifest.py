@@ -105,10 +105,23 @@ class StoreManifest:
     tp_size: int = 1
     pp_size: int = 1
     """The instances' parallelism: a block is `tp_size * pp_size` shard files (`Shard`)."""
+    blocks_per_file: int = 1
+    """Blocks in one store file (g): file `i` holds blocks `[i * g, (i + 1) * g)` of a prompt
+    under the key of its last one, and a hit counts whole files (`core.blocks.hit_blocks`)."""
+
+    def __post_init__(self) -> None:
+        if self.blocks_per_file < 1:
+            raise SpecError("store manifest", "blocks_per_file", self.blocks_per_file,
+                            "must be an integer >= 1")
 
     @property
     def namespace_bytes(self) -> bytes:
         return bytes.fromhex(self.namespace)
+
+    @property
+    def file_bytes(self) -> int:
+        """One shard's bytes per store file (`BlockStore.full_block_bytes`)."""
+        return self.full_block_bytes * self.blocks_per_file
 
     def stored_key(self, key: bytes) -> bytes:
         """The file whose presence counts block `key` as stored: the last shard's
@@ -121,23 +134,29 @@ class StoreManifest:
 
     def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool],
                    threads: Executor | None = None) -> int:
-        """A prompt's stored prefix in whole blocks, as the connectors find it: the one rule,
-        `core.blocks.hit_blocks`, over keys chained from this namespace (each block's
-        `stored_key`). With `threads`, `is_stored` runs on them in waves from block 0 on,
-        stopping after the first wave with a block missing (`in_waves`): the same count."""
+        """A prompt's stored prefix in whole blocks (whole files of `blocks_per_file`), as the
+        connectors find it: the one rule, `core.blocks.hit_blocks`, over keys chained from
+        this namespace (each file's `stored_key`). With `threads`, `is_stored` runs on them in
+        waves from file 0 on, stopping after the first wave with a file missing (`in_waves`):
+        the same count."""
         keys = block_keys(tokens, self.block_size, self.namespace_bytes)
+        g = self.blocks_per_file
 
         def check(key: bytes) -> bool:
             return is_stored(self.stored_key(key))
         return hit_blocks(keys, len(tokens), check if threads is None else
-                          in_waves(keys, check, threads), self.block_size)
+                          in_waves(keys[g - 1::g], check, threads), self.block_size,
+                          blocks_per_file=g)
 
     def write(self, store_root: Path | str) -> Path:
         """Write (atomically) `root/vllm/<namespace>.json`; the same content twice is a no-op."""
         folder = Path(store_root) / MANIFEST_DIR
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.namespace}.json"
-        text = json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        fields = asdict(self)
+        if self.blocks_per_file == 1:  # as manifests were before files held several blocks
+            del fields["blocks_per_file"]
+        text = json.dumps(fields, indent=1, sort_keys=True) + "\n"
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             write_text_atomic(path, text)
         return path
@@ -197,7 +216,8 @@ def read_manifests(store_root: Path | str) -> list[StoreManifest]:
                                      block_size=int(raw["block_size"]),
                                      full_block_bytes=int(raw["full_block_bytes"]),
                                      tp_size=int(raw.get("tp_size", 1)),
-                                     pp_size=int(raw.get("pp_size", 1))))
+                                     pp_size=int(raw.get("pp_size", 1)),
+                                     blocks_per_file=int(raw.get("blocks_per_file", 1))))
         except (ValueError, KeyError, TypeError) as e:
             raise SpecError(str(path), "manifest", type(e).__name__, f"unreadable: {e}") from e
     return out

@@ -113,3 +113,32 @@ def test_vllms_own_kv_views_of_a_70b_rank_give_raw_pages(tp: int) -> None:
                 page = views[name][block]
                 assert page.is_contiguous()
                 assert at.address + block * at.block_stride_bytes == page.data_ptr()
+
+
+def test_blocks_per_file_defaults_to_128_token_files_and_names_a_bad_value() -> None:
+    """`kv_connector_extra_config.blocks_per_file`: vLLM's 16-token blocks get 8 a file by
+    default, 128-token ones 1 (keys as before: g is in the namespace only when > 1)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from dualpath.core.errors import SpecError
+    from dualpath.integrations.vllm.connector.dualpath_connector import _layout
+
+    def layout(block_size: int, g: object) -> tuple[int, bytes]:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8,
+                                 dtype=torch.float32)
+        kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            kv_cache_spec=spec, layer_names=["a", "b"])], kv_cache_layout="LBHNC")
+        config = SimpleNamespace(model_config=SimpleNamespace(model="m", dtype="float32"))
+        out = _layout(config, kv, g)  # type: ignore[arg-type]
+        return out.blocks_per_file, out.namespace
+
+    assert layout(16, None)[0] == 8 and layout(128, None)[0] == 1
+    assert layout(16, 4)[0] == 4 and layout(16, "2")[0] == 2
+    assert layout(128, None)[1] == layout(128, 1)[1]
+    assert layout(16, 1)[1] != layout(16, None)[1] != layout(16, 4)[1]
+    for bad in (0, -1, "x", 1.5):
+        with pytest.raises(SpecError, match=r"vllm connector\.blocks_per_file"):
+            layout(16, bad)

@@ -14,7 +14,10 @@ decode instance, false otherwise), `read_threads` / `write_threads` (store reads
 in flight per worker, default 16 / 4; a decode instance's staging service reads
 `read_threads` at a time too), `staging_gb` or `staging_blocks` (a decode instance's
 staging buffer, in GB, default 2, or in Full Blocks), `store_capacity_gb` (the store keeps
-about that many GB, evicting the least recently used blocks; default none: every block).
+about that many GB, evicting the least recently used blocks; default none: every block),
+`blocks_per_file` (vLLM blocks per store file, an integer >= 1; default: files of at least 128
+tokens, `max(1, 128 // block_size)`, so 8 for vLLM's 16-token blocks, 1 for 128-token ones;
+every instance on a store must use the same, and the router reads it from the manifest).
 
 On every instance, every full block of every request is persisted when the step that
 computes its last token ends; a later request whose prefix is
@@ -59,6 +62,8 @@ from dualpath.integrations.vllm.connector.kvio import KVWorker, WorkerCounters
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
     StepPlan,
+    check_blocks_per_file,
+    default_blocks_per_file,
     model_identity,
     namespace_key,
 )
@@ -114,6 +119,13 @@ class _Layout:
     layer_names: list[str]
     page_bytes: int
     namespace: bytes
+    blocks_per_file: int = 1
+    """g: vLLM blocks per store file (`plan`'s "Files")."""
+
+    @property
+    def full_block_bytes(self) -> int:
+        """One vLLM block's pages of every layer (of this worker's shard)."""
+        return len(self.layer_names) * self.page_bytes
 
 
 def _worker_shard(tp_size: int, pp_size: int) -> Shard:
@@ -130,7 +142,10 @@ def _worker_shard(tp_size: int, pp_size: int) -> Shard:
                  pp_size)
 
 
-def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Layout:
+def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+            blocks_per_file: object = None) -> _Layout:
+    """The KV's shape and the key namespace; `blocks_per_file`: the extra config's (None:
+    `plan.default_blocks_per_file`)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"DualPathConnector supports one KV cache group (full attention), "
@@ -139,11 +154,16 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Layout:
     block_size = int(spec.block_size)
     page_bytes = int(spec.page_size_bytes)
     layer_names = list(groups[0].layer_names)
+    g = default_blocks_per_file(block_size) if blocks_per_file is None \
+        else check_blocks_per_file(blocks_per_file)
     mc = vllm_config.model_config
+    # A file of g blocks is another payload than a block's: g is part of the namespace (not
+    # when 1, so stores of a block a file keep their keys).
     namespace = namespace_key(FORMAT_TAG, model_identity(str(mc.model)), str(mc.dtype),
                               block_size, page_bytes, len(layer_names),
-                              kv_cache_config.kv_cache_layout)
-    return _Layout(block_size, layer_names, page_bytes, namespace)
+                              kv_cache_config.kv_cache_layout,
+                              *((f"blocks_per_file={g}",) if g > 1 else ()))
+    return _Layout(block_size, layer_names, page_bytes, namespace, g)
 
 
 class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -186,13 +206,14 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.warning("DualPathConnector: kv_load_failure_policy=%r fails a request whose "
                            "stored block is missing or corrupt; set 'recompute' to recompute "
                            "it", extra.kv_load_failure_policy)
-        layout = _layout(vllm_config, kv_cache_config)
+        layout = _layout(vllm_config, kv_cache_config,
+                         extra.get_from_extra_config("blocks_per_file", None))
         self._layout = layout
         capacity_gb = extra.get_from_extra_config("store_capacity_gb", None)
         if capacity_gb is not None and not float(capacity_gb) > 0:
             raise ValueError(f"DualPathConnector: kv_connector_extra_config.store_capacity_gb "
                              f"must be > 0, got {capacity_gb!r}")
-        self._store = BlockStore(store_path, len(layout.layer_names) * layout.page_bytes,
+        self._store = BlockStore(store_path, layout.blocks_per_file * layout.full_block_bytes,
                                  is_durable=bool(extra.get_from_extra_config("durable", True)),
                                  capacity_bytes=None if capacity_gb is None
                                  else max(1, int(float(capacity_gb) * 1e9)))
@@ -233,14 +254,15 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             manifest = StoreManifest(namespace=layout.namespace.hex(),
                                      model=str(vllm_config.model_config.model),
                                      block_size=layout.block_size,
-                                     full_block_bytes=self._store.full_block_bytes,
-                                     tp_size=tp_size, pp_size=pp_size)
+                                     full_block_bytes=layout.full_block_bytes,
+                                     tp_size=tp_size, pp_size=pp_size,
+                                     blocks_per_file=layout.blocks_per_file)
             store = self._store
             self._planner = Planner(
                 layout.block_size, layout.namespace,
                 lambda key: store.contains(manifest.stored_key(key)), role=self._pd_role,
                 async_loads=bool(extra.get_from_extra_config("async_loads", False)),
-                num_shards=tp_size * pp_size)
+                num_shards=tp_size * pp_size, blocks_per_file=layout.blocks_per_file)
             manifest.write(store_path)
         else:
             # A decode node writes its new blocks in the background by default: its steps are
@@ -252,19 +274,22 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     "background_saves", self._pd_role == "decode")),
                 shard=_worker_shard(tp_size, pp_size),
                 read_threads=int(extra.get_from_extra_config("read_threads", 16)),
-                write_threads=int(extra.get_from_extra_config("write_threads", 4)))
+                write_threads=int(extra.get_from_extra_config("write_threads", 4)),
+                blocks_per_file=layout.blocks_per_file)
             if self._pd_role == "decode":
                 self._start_side_channel(extra)
             self._worker.log_event({"event": "init", "role": self._pd_role,
                                     "namespace": layout.namespace.hex(),
                                     "block_size": layout.block_size,
-                                    "full_block_bytes": self._store.full_block_bytes,
+                                    "full_block_bytes": layout.full_block_bytes,
+                                    "blocks_per_file": layout.blocks_per_file,
                                     "layers": len(layout.layer_names),
                                     "shard": asdict(self._worker.shard),
                                     "side_channel": self.side_channel_address})
         logger.info("DualPathConnector (%s, %s): store %s, %d layers x %d B pages, block %d "
-                    "tokens", role.name, self._pd_role, store_path, len(layout.layer_names),
-                    layout.page_bytes, layout.block_size)
+                    "tokens, %d blocks a file", role.name, self._pd_role, store_path,
+                    len(layout.layer_names), layout.page_bytes, layout.block_size,
+                    layout.blocks_per_file)
 
     @property
     def side_channel_address(self) -> str | None:
@@ -280,13 +305,14 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Each rank serves its own shards' staging buffer, on the instance's port + its index.
         address = self._worker.shard.side_channel(str(address))
         self._side_process, pool = spawn_side_channel(
-            str(address), str(self._store.root), self._store.full_block_bytes,
-            staging_slots(self._store.full_block_bytes,
+            str(address), str(self._store.root), self._layout.full_block_bytes,
+            staging_slots(self._layout.full_block_bytes,
                           extra.get_from_extra_config("staging_gb", None),
                           extra.get_from_extra_config("staging_blocks", None)),
             self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
             self._layout.namespace.hex(),
-            read_threads=int(extra.get_from_extra_config("read_threads", 16)))
+            read_threads=int(extra.get_from_extra_config("read_threads", 16)),
+            blocks_per_file=self._layout.blocks_per_file)
         self._side_pool = pool
         self._side_address = str(address)
         self._decode = DecodeRemote(self._worker, pool)
@@ -513,7 +539,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         report = planner.load_report(request.request_id)
         if params is not None:  # a routed prefill: its request id carries the router's trace
             logger.info("DualPathConnector: request %s loaded %s", request.request_id, report)
-        full = self._store.full_block_bytes
+        full = self._layout.full_block_bytes
         self._stats.add(loaded_blocks_pe=report.pe_blocks, loaded_blocks_de=report.de_blocks,
                         loaded_bytes_pe=report.pe_blocks * full,
                         loaded_bytes_de=report.de_blocks * full,

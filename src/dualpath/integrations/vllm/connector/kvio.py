@@ -1,10 +1,14 @@
 """The worker side of `DualPathConnector`: Full Blocks between vLLM's paged KV and storage.
 
-A Full Block here is one vLLM block of every attention layer: the payload is the layers'
-pages in `layer_names` order, each page the bytes of `kv[block_id]` of that layer's paged
-tensor (logically `[num_blocks, ...]`; vLLM's CPU backend is `[B, H, N, 2 * head_size]`, K and
-V side by side, KV layout LBHNC). Indexing the logical block axis makes this independent of the
-physical stride order: a page is copied through a view, never reinterpreted in place.
+A Full Block here is one vLLM block of every attention layer: the layers' pages in
+`layer_names` order, each page the bytes of `kv[block_id]` of that layer's paged tensor
+(logically `[num_blocks, ...]`; vLLM's CPU backend is `[B, H, N, 2 * head_size]`, K and V side
+by side, KV layout LBHNC). Indexing the logical block axis makes this independent of the
+physical stride order: a page is copied through a view, never reinterpreted in place. A store
+file holds `blocks_per_file` (g) of them back to back (block-major: block 0's layers, then
+block 1's, ...; `plan.BlockTransfer.files`), so a file is read with one scatter `preadv`
+straight into the g blocks' pages and written from g consecutive rows of a save buffer; with
+g = 1 a file is one Full Block.
 
 Per step (`bind` .. `finish_step`), in vLLM's calling order:
 
@@ -39,6 +43,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from dualpath.core.store import BlockStore
@@ -174,10 +179,12 @@ class FitPool(Generic[T]):
 @dataclass
 class _Saves:
     """A step's blocks to save: their pages gathered block-major into `rows` (one Full Block
-    per row, what `BlockStore.put` takes), handed to the writers after the forward."""
+    per row; a file's g consecutive rows are what `BlockStore.put` takes), handed to the
+    writers after the forward."""
 
     block_ids: list[int]
     keys: list[bytes]
+    """One per file (of `blocks_per_file` rows)."""
     buf: torch.Tensor
     """The staging buffer the rows live in (given back once every row is written)."""
     rows: torch.Tensor
@@ -200,11 +207,16 @@ class KVWorker:
                  event_log: Path | str | None = None, pacer: Pacer | None = None,
                  background_saves: bool = False, max_pending_saves: int = 64,
                  shard: Shard | None = None, read_threads: int = 16,
-                 write_threads: int = 4) -> None:
-        if store.full_block_bytes != len(layer_names) * page_bytes:
-            raise LayoutError(f"store holds {store.full_block_bytes} B blocks, but "
-                              f"{len(layer_names)} layers x {page_bytes} B pages were given")
+                 write_threads: int = 4, blocks_per_file: int = 1) -> None:
+        if blocks_per_file < 1:
+            raise LayoutError(f"blocks_per_file must be >= 1, got {blocks_per_file}")
+        if store.full_block_bytes != blocks_per_file * len(layer_names) * page_bytes:
+            raise LayoutError(f"store holds {store.full_block_bytes} B files, but "
+                              f"{blocks_per_file} blocks x {len(layer_names)} layers x "
+                              f"{page_bytes} B pages were given")
         self.store = store
+        self.blocks_per_file = blocks_per_file
+        """g: vLLM blocks per store file."""
         self.layer_names = list(layer_names)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.page_bytes = page_bytes
@@ -259,10 +271,15 @@ class KVWorker:
         """Read every planned block from the store (before the layers run): into the paged
         KV itself where it is host memory with contiguous pages, else into staging. Reads run
         in parallel; a request's blocks from its first failed one on are not used."""
-        loads = [(t, b, k) for t in self._plan.loads
-                 for b, k in zip(t.block_ids, t.keys, strict=True)]
+        loads = [(t, b) for t in self._plan.loads for b in t.block_ids]
         if not loads:
             return
+        first_row: dict[int, int] = {}
+        """Transfer (its place in the plan) -> the staging row of its first block."""
+        files: list[tuple[int, bytes, list[int | None]]] = []
+        for n, t in enumerate(self._plan.loads):
+            first_row[n] = sum(len(u.block_ids) for u in self._plan.loads[:n])
+            files += [(n, key, rows) for key, rows in t.files()]
         in_place = self._page_rows is not None
         staging = None
         if not in_place:
@@ -277,29 +294,30 @@ class KVWorker:
         # or 1, against 4.7 read straight into host KV).
         staging_np = staging.numpy() if staging is not None else None
 
-        def read(row: int, block_id: int, key: bytes) -> bool:
+        def read(n: int, key: bytes, rows: list[int | None]) -> bool:
             if staging_np is not None:
-                return self.read_block(key, [staging_np[i, row]
-                                             for i in range(len(self.layer_names))])
-            rows = self._page_rows
-            assert rows is not None
-            return self.read_block(key, [layer[block_id] for layer in rows])
+                base = first_row[n]
+                return self.read_block(key, self._file_pages(
+                    rows, lambda i, r: staging_np[i, base + r]))
+            pages = self._page_rows
+            assert pages is not None
+            ids = self._plan.loads[n].block_ids
+            return self.read_block(key, self._file_pages(
+                rows, lambda i, r: pages[i][ids[r]]))
 
-        done = self._map(self._readers, read, [(i, b, k) for i, (_, b, k) in enumerate(loads)])
+        done = self._map(self._readers, read, files)
         ok_rows: list[int] = []
-        row = 0
-        for t in self._plan.loads:
+        for n, t in enumerate(self._plan.loads):
             n_ok = 0
-            for block_id in t.block_ids:
-                if t.req_id in self._failed_reqs:
-                    row += 1
+            for (m, _, rows), is_read in zip(files, done, strict=True):
+                if m != n or t.req_id in self._failed_reqs:
                     continue
-                if not done[row]:
-                    self.report_load_error(t.req_id, block_id)  # recomputed from here on
-                else:
-                    ok_rows.append(row)
-                    n_ok += 1
-                row += 1
+                mine = [r for r in rows if r is not None]
+                if not is_read:  # recomputed from the file's first block on
+                    self.report_load_error(t.req_id, t.block_ids[mine[0]])
+                    continue
+                ok_rows += [first_row[n] + r for r in mine]
+                n_ok += len(mine)
             self.count(loaded_blocks=n_ok)
             self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
         self._loaded_ids = [loads[r][1] for r in ok_rows]
@@ -307,8 +325,21 @@ class KVWorker:
             self._staging = staging[:, ok_rows] if len(ok_rows) < len(loads) else staging
         self._loaded_index = {}
 
+    def _file_pages(self, rows: list[int | None], page: Callable[[int, int], Any]
+                    ) -> list[Any]:
+        """The buffers a file is read into, in its payload order (block-major, then layer):
+        `page(layer, row)` for a block the transfer takes (`rows`: `BlockTransfer.files`),
+        scratch for one it does not."""
+        num_layers = len(self.layer_names)
+        dropped = sum(r is None for r in rows)
+        scratch = iter(np.empty((dropped, num_layers, self.page_bytes), np.uint8))
+        out: list[Any] = []
+        for r in rows:
+            out += list(next(scratch)) if r is None else [page(i, r) for i in range(num_layers)]
+        return out
+
     def read_block(self, key: bytes, out: Any) -> bool:
-        """This shard of block `key` from the store into `out` (a buffer, or a list of
+        """This shard of file `key` from the store into `out` (a buffer, or a list of
         buffers filled in order), verified, through the emulated NIC."""
         key = self.shard.key(key)
         if isinstance(out, torch.Tensor):
@@ -339,12 +370,9 @@ class KVWorker:
         running, so no layer waits); returns how many loaded before the first failure."""
         if not self._kv_caches:
             raise LayoutError("load_whole before vLLM registered its KV caches")
-        rows = self._page_rows
-        if rows is not None:
-            n_ok = next((j for j, (block_id, key) in enumerate(zip(t.block_ids, t.keys,
-                                                                    strict=True))
-                         if not self.read_block(key, [layer[block_id] for layer in rows])),
-                        len(t.block_ids))
+        pages = self._page_rows
+        if pages is not None:
+            n_ok = self._read_files(t, lambda i, r: pages[i][t.block_ids[r]])
         else:
             n_ok = self._load_whole_staged(t)
         self.count(loaded_blocks=n_ok)
@@ -357,11 +385,7 @@ class KVWorker:
         try:
             staging = buf[:n * self.full_block_bytes].view(num_layers, n, self.page_bytes)
             staging_np = staging.numpy()
-            n_ok = 0
-            for row, key in enumerate(t.keys):
-                if not self.read_block(key, [staging_np[i, row] for i in range(num_layers)]):
-                    break
-                n_ok += 1
+            n_ok = self._read_files(t, lambda i, r: staging_np[i, r])
             if n_ok:
                 first = self._kv_caches[self.layer_names[0]]
                 stream = torch.cuda.Stream(first.device) if first.is_cuda else None  # type: ignore[no-untyped-call]
@@ -375,6 +399,16 @@ class KVWorker:
             return n_ok
         finally:
             self._buffers.give(buf)
+
+    def _read_files(self, t: BlockTransfer, page: Callable[[int, int], Any]) -> int:
+        """Read `t`'s files one after another (`page(layer, row)`: where block `row` of `t`
+        goes); returns its blocks read before the first file that failed."""
+        n_ok = 0
+        for key, rows in t.files():
+            if not self.read_block(key, self._file_pages(rows, page)):
+                break
+            n_ok += sum(r is not None for r in rows)
+        return n_ok
 
     def inject(self, layer_name: str, kv: torch.Tensor) -> None:
         """Copy layer `layer_name`'s page of every staged block into its paged KV `kv`: one
@@ -411,7 +445,7 @@ class KVWorker:
         self._release_staging()
         if saves is None:
             return
-        chunks = _chunks(range(len(saves.block_ids)), self.write_threads)
+        chunks = _chunks(range(len(saves.keys)), self.write_threads)
         saves.num_unwritten = len(chunks)
         futures = [self._writers.submit(self._write, saves, rows) for rows in chunks]
         if not self.is_background:
@@ -419,29 +453,33 @@ class KVWorker:
                 f.result()
             return
         self._reap(len(saves.block_ids))
-        for f, rows in zip(futures, chunks, strict=True):
-            self._pending.append((f, len(rows)))
+        for f, files in zip(futures, chunks, strict=True):
+            self._pending.append((f, len(files) * self.blocks_per_file))
 
-    def _write(self, saves: _Saves, rows: range) -> None:
+    def _write(self, saves: _Saves, files: range) -> None:
+        """Write files `files` of `saves` (file f: rows `[f * g, (f + 1) * g)`); the
+        counters count blocks."""
         t0 = time.perf_counter()
-        for r in rows:
+        g = self.blocks_per_file
+        for f in files:
             try:
-                is_new = self.store.put(saves.keys[r], saves.rows[r].numpy().data,
+                is_new = self.store.put(saves.keys[f],
+                                        saves.rows[f * g:(f + 1) * g].reshape(-1).numpy().data,
                                         overwrite=False)
             except OSError:
                 is_new = None
             if is_new is None:
-                self.count(failed_saves=1)
+                self.count(failed_saves=g)
             elif is_new:
-                self.count(saved_blocks=1)
+                self.count(saved_blocks=g)
             else:
-                self.count(skipped_saves=1)
+                self.count(skipped_saves=g)
         with self._lock:
             saves.num_unwritten -= 1
             is_last = saves.num_unwritten == 0
         if is_last:
             self._buffers.give(saves.buf)
-        self.log_event({"event": "save", "blocks": len(rows),
+        self.log_event({"event": "save", "blocks": len(files) * g, "files": len(files),
                         "background": self.is_background,
                         "s": round(time.perf_counter() - t0, 4)})
 
@@ -510,6 +548,10 @@ class KVWorker:
         block_ids: list[int] = []
         keys: list[bytes] = []
         for t in self._plan.saves:
+            if not t.is_aligned or t.blocks_per_file != self.blocks_per_file:
+                raise ValueError(f"{t.req_id}: a save of blocks from {t.first_block} "
+                                 f"({len(t.block_ids)}) is not whole files of "
+                                 f"{self.blocks_per_file} blocks")
             if t.req_id in self._failed_reqs:
                 self.count(skipped_saves=len(t.block_ids))
                 continue
@@ -539,6 +581,12 @@ class KVWorker:
     # -- what the P/D data plane (`remote.py`) shares -------------------------------------
     @property
     def full_block_bytes(self) -> int:
+        """One vLLM block's pages, every layer (a staging slot, a row of a buffer)."""
+        return len(self.layer_names) * self.page_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """One store file: `blocks_per_file` Full Blocks."""
         return self.store.full_block_bytes
 
     def count(self, **deltas: int) -> None:

@@ -9,6 +9,13 @@ block of `block_size` tokens), chained from a `namespace` that names the model a
 format, so two models never share a key. Only full blocks have keys; a partial tail is never
 stored or loaded.
 
+Files: a store file holds `blocks_per_file` (g) aligned vLLM blocks of a request, file `i` its
+blocks `[i * g, (i + 1) * g)`, under the key of its last block (`BlockTransfer.keys`), stored
+whole or not at all. A hit counts whole files, saves wait for a file's last block (a request's
+last partial file is never saved), and a load whose first (or last) file holds blocks the
+request does not take reads it whole and drops those (vLLM's prefix cache ends anywhere). With
+16-token blocks, g = 8 makes the files of 128-token blocks; g = 1 is a file per block.
+
 Roles (`Planner.role`): `both` (one instance: the store is the only source and sink), `prefill`
 (vLLM `kv_producer`) and `decode` (`kv_consumer`). A request the router sent (its
 `kv_transfer_params` hold `RouteParams`) runs DualPath's P/D flow:
@@ -94,12 +101,37 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
     """vLLM's physical block ids, one per block."""
     keys: tuple[bytes, ...]
-    """Storage keys, one per block."""
+    """Storage keys, one per file holding any of the blocks (file `i`: the request's blocks
+    `[i * g, (i + 1) * g)`, under its last block's key), from file `first_block // g` on."""
+    blocks_per_file: int = 1
+    """g: vLLM blocks per store file."""
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.keys):
-            raise ValueError(f"{self.req_id}: {len(self.block_ids)} block ids, "
-                             f"{len(self.keys)} keys")
+        g = self.blocks_per_file
+        if g < 1:
+            raise SpecError("vllm connector", "blocks_per_file", g, "must be an integer >= 1")
+        n = len(self.block_ids)
+        num_files = (self.first_block + n - 1) // g - self.first_block // g + 1 if n else 0
+        if len(self.keys) != num_files:
+            raise ValueError(f"{self.req_id}: {n} block ids from block {self.first_block} "
+                             f"are in {num_files} files of {g} blocks, got {len(self.keys)} "
+                             "keys")
+
+    @property
+    def is_aligned(self) -> bool:
+        """Whole files only: the transfer starts and ends at a file's edge."""
+        g = self.blocks_per_file
+        return self.first_block % g == 0 and len(self.block_ids) % g == 0
+
+    def files(self) -> list[tuple[bytes, list[int | None]]]:
+        """Each file's key and, for each of its g blocks in order, the block's index in
+        `block_ids` (None: a block of the file outside this transfer, read and dropped)."""
+        g, n = self.blocks_per_file, len(self.block_ids)
+        out: list[tuple[bytes, list[int | None]]] = []
+        for f, key in enumerate(self.keys, self.first_block // g):
+            rows = [b - self.first_block for b in range(f * g, (f + 1) * g)]
+            out.append((key, [r if 0 <= r < n else None for r in rows]))
+        return out
 
 
 @dataclass(frozen=True)
@@ -135,6 +167,30 @@ class XferLoad:
     req_id: str
     first_block: int
     block_ids: tuple[int, ...]
+
+
+FILE_TOKENS = 128
+"""What a store file covers by default: `default_blocks_per_file`."""
+
+
+def default_blocks_per_file(block_size: int) -> int:
+    """g when `blocks_per_file` is not set: files of at least `FILE_TOKENS` tokens where the
+    blocks are smaller (vLLM's 16-token blocks: 8 a file), else a block a file."""
+    return max(1, FILE_TOKENS // max(1, block_size))
+
+
+def check_blocks_per_file(value: object) -> int:
+    """`kv_connector_extra_config.blocks_per_file` as an int >= 1, else a `SpecError`."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise SpecError("vllm connector", "blocks_per_file", value, "must be an integer >= 1")
+    try:
+        g = int(value)
+    except ValueError:
+        raise SpecError("vllm connector", "blocks_per_file", value,
+                        "must be an integer >= 1") from None
+    if g < 1:
+        raise SpecError("vllm connector", "blocks_per_file", value, "must be an integer >= 1")
+    return g
 
 
 BACKGROUND_LOAD_THREADS = 4
@@ -216,9 +272,13 @@ class Planner:
 
     def __init__(self, block_size: int, namespace: bytes,
                  is_stored: Callable[[bytes], bool], role: str = "both",
-                 async_loads: bool = False, num_shards: int = 1) -> None:
+                 async_loads: bool = False, num_shards: int = 1,
+                 blocks_per_file: int = 1) -> None:
         if block_size < 1:
             raise SpecError("vllm connector", "block_size", block_size, "must be >= 1")
+        check_blocks_per_file(blocks_per_file)
+        self.blocks_per_file = blocks_per_file
+        """g: vLLM blocks per store file (see the module's "Files")."""
         if role not in ROLES:
             raise SpecError("vllm connector", "role", role, f"must be one of {', '.join(ROLES)}")
         self.role = role
@@ -243,7 +303,7 @@ class Planner:
         self._requests[req_id] = _Request(
             tokens=tokens, route=route if self.role != "both" else None,
             num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
-        limit = max_hit_blocks(len(tokens), self.block_size)
+        limit = self._limit(len(tokens))
         if self.role == "prefill" and route is not None and route.hit_blocks > limit:
             # The router counts by the same rule over the same tokens, so this is a router
             # that disagrees on either; `match` offers no more than the rule allows.
@@ -316,7 +376,7 @@ class Planner:
         """
         req = self._requests[req_id]
         bs = self.block_size
-        limit = max_hit_blocks(len(req.tokens), bs)
+        limit = self._limit(len(req.tokens))
         local = num_computed_tokens // bs
         route = req.route
         if self.role == "decode" and route is not None and route.tokens == len(req.tokens):
@@ -329,10 +389,10 @@ class Planner:
             # block that vanished since is a load error. Asked again after a background load
             # was issued, that load failed (or the request was preempted): no hit is offered
             # twice, the rest is recomputed.
-            end = local if req.load_issued else max(min(route.hit_blocks, limit), local)
+            end = local if req.load_issued else max(min(self._route(route)[1], limit), local)
         else:
             end = hit_blocks(self._keys(req, limit), len(req.tokens), self._is_stored, bs,
-                             first=local)
+                             first=local, blocks_per_file=self.blocks_per_file)
         hit = max(end * bs - num_computed_tokens, 0)
         self._matches[req_id] = _Match(num_computed_tokens, hit)
         return hit
@@ -368,7 +428,7 @@ class Planner:
         bs = self.block_size
         first = m.num_computed_tokens // bs
         stop = first + m.num_hit_tokens // bs
-        split = min(max(route.pe_blocks, first), stop)
+        split = min(max(self._route(route)[0], first), stop)
         if split > first:
             self._plan.async_loads.append(self._note(req, self._transfer(req_id, req, first,
                                                                          split), "pe"))
@@ -402,8 +462,9 @@ class Planner:
     def _schedule(self, req_id: str, req: _Request, num_computed_tokens: int,
                   num_scheduled_tokens: int) -> None:
         bs = self.block_size
+        g = self.blocks_per_file
         # Computed tokens moved back (a failed load recomputed, a preemption): save again.
-        req.num_saved = min(req.num_saved, num_computed_tokens // bs)
+        req.num_saved = min(req.num_saved, num_computed_tokens // bs // g * g)
         route = req.route
         load = self._pending_loads.pop(req_id, None)
         if load is not None:
@@ -417,7 +478,7 @@ class Planner:
                 stop = first + load.num_hit_tokens // bs
                 split = stop
                 if self.role == "prefill" and route is not None:
-                    split = min(max(route.pe_blocks, first), stop)
+                    split = min(max(self._route(route)[0], first), stop)
                 if split > first:
                     self._plan.loads.append(self._note(
                         req, self._transfer(req_id, req, first, split), "pe"))
@@ -434,15 +495,17 @@ class Planner:
                 req.pushed = False
             if not req.pushed and end >= req.num_prompt_tokens:
                 total = -(-req.num_prompt_tokens // bs)
-                own = range(min(route.pe_blocks, total), min(route.hit_blocks, total))
+                pe, hit = self._route(route)
+                own = range(min(pe, total), min(hit, total))
                 indices = tuple(i for i in range(total) if i not in own)
                 self._plan.pushes.append(Push(
                     route.xfer, route.de, req_id, indices, tuple(req.block_ids[:total]),
-                    min(route.hit_blocks, total)))
+                    min(hit, total)))
                 req.pushed = True
             return
-        # Blocks whose every token's KV exists after this step (and whose tokens are known).
-        done = min(end // bs, len(req.tokens) // bs, len(req.block_ids))
+        # Blocks whose every token's KV exists after this step (and whose tokens are known),
+        # in whole files: a file is saved once its last block is done, never torn.
+        done = min(end // bs, len(req.tokens) // bs, len(req.block_ids)) // g * g
         if load is not None and self.num_shards > 1:
             # A load that fails on one rank only corrupts every rank's KV computed in this
             # step (attention outputs are summed across ranks), and the other ranks cannot
@@ -458,7 +521,20 @@ class Planner:
         plan, self._plan = self._plan, StepPlan()
         return plan
 
-    # -- keys -------------------------------------------------------------------------------
+    # -- keys and files ---------------------------------------------------------------------
+    def _limit(self, num_prompt_tokens: int) -> int:
+        """The most blocks a prompt may hit: whole files (`core.blocks.hit_blocks`)."""
+        g = self.blocks_per_file
+        return max_hit_blocks(num_prompt_tokens, self.block_size * g) * g
+
+    def _route(self, route: RouteParams) -> tuple[int, int]:
+        """The router's (pe_blocks, hit_blocks) at file edges: the hit down (the router
+        counts whole files by the same rule, so this changes nothing unless it disagrees),
+        the PE/DE split up, so that each side reads whole files and no file twice."""
+        g = self.blocks_per_file
+        hit = route.hit_blocks // g * g
+        return min(-(-route.pe_blocks // g) * g, hit), hit
+
     def _keys(self, req: _Request, num_blocks: int) -> list[bytes]:
         bs = self.block_size
         while len(req.keys) < num_blocks:
@@ -468,7 +544,14 @@ class Planner:
         return req.keys
 
     def _transfer(self, req_id: str, req: _Request, start: int, stop: int) -> BlockTransfer:
+        """Blocks `[start, stop)` of the request and the keys of the files holding them
+        (`stop` at a file's edge: a file's key is its last block's)."""
+        g = self.blocks_per_file
+        if stop % g:
+            raise ValueError(f"{req_id}: blocks [{start}, {stop}) end inside a file of {g} "
+                             "blocks")
         keys = self._keys(req, stop)
         return BlockTransfer(req_id=req_id, first_block=start,
                              block_ids=tuple(req.block_ids[start:stop]),
-                             keys=tuple(keys[start:stop]))
+                             keys=tuple(keys[start // g * g + g - 1:stop:g]),
+                             blocks_per_file=g)

@@ -335,11 +335,13 @@ class PrefillRemote:
                                                  device=self._layers[0].device)
         return t
 
-    def _stage_args(self, r: RemoteLoad) -> tuple[str, int, tuple[bytes, ...]]:
-        """A `stage` of `r` in this rank's names: its transfer and its shard's keys (the
-        decode rank of the same index reads this rank's files)."""
+    def _stage_args(self, r: RemoteLoad) -> tuple[str, int, tuple[bytes, ...], int]:
+        """A `stage` of `r` in this rank's names: its transfer, its shard's keys of the files
+        holding its blocks (the decode rank of the same index reads this rank's files) and
+        how many blocks."""
         shard = self.kv.shard
-        return shard.xfer(r.xfer), r.blocks.first_block, tuple(map(shard.key, r.blocks.keys))
+        return (shard.xfer(r.xfer), r.blocks.first_block, tuple(map(shard.key, r.blocks.keys)),
+                len(r.blocks.block_ids))
 
     def _drop_peer(self, address: str) -> None:
         with self._lock:

@@ -295,7 +295,7 @@ class Router:
         self.policy = RoutePolicy(cfg.params, len(cfg.prefill), len(cfg.decode),
                                   cfg.is_round_robin, cfg.decode_kv_capacity_bytes,
                                   cfg.forced_read_side)
-        self.store = BlockStore(cfg.store, m.full_block_bytes, is_durable=False)
+        self.store = BlockStore(cfg.store, m.file_bytes, is_durable=False)
         self.kv_bytes_per_token = m.full_block_bytes / m.block_size
         self._ids = itertools.count(1)
         self._tokenize_turn = itertools.count()

@@ -73,8 +73,9 @@ class SideChannelClient:
         """Exchange agents (empty: only read the decode side's info)."""
         return self.call(Hello(agent_metadata), Welcome)
 
-    def stage(self, xfer: str, first_block: int, keys: Sequence[bytes]) -> Staged:
-        return self.call(Stage(xfer, first_block, tuple(keys)), Staged)
+    def stage(self, xfer: str, first_block: int, keys: Sequence[bytes],
+              num_blocks: int = 0) -> Staged:
+        return self.call(Stage(xfer, first_block, tuple(keys), num_blocks), Staged)
 
     def alloc(self, xfer: str, blocks: Sequence[int]) -> tuple[int, ...]:
         """Slot addresses for `blocks` of `xfer`."""

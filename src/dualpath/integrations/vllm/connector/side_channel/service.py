@@ -63,18 +63,19 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
                        storage_read_gbps: float | None, event_log: str | None,
                        namespace: str, timeout_s: float = 120.0,
                        command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
-                       read_threads: int = 16,
+                       read_threads: int = 16, blocks_per_file: int = 1,
                        ) -> tuple[subprocess.Popen[bytes], RemotePool]:
     """Start the side-channel process on `address`; returns it and the worker's pool view.
     `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
-    on the cores of this instance (`instance_cpus`), staging `read_threads` blocks at a
-    time."""
+    on the cores of this instance (`instance_cpus`), staging `read_threads` files at a
+    time. A slot holds one Full Block (`full_block_bytes`), a store file `blocks_per_file`
+    of them."""
     cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     cmd = [*command_prefix, sys.executable, "-m", __name__,
            "--address", address, "--store", store_root, "--full-block-bytes",
            str(full_block_bytes), "--slots", str(num_slots), "--namespace", namespace,
            "--parent", str(os.getpid()), "--cpus", ",".join(map(str, cpus)),
-           "--read-threads", str(read_threads)]
+           "--read-threads", str(read_threads), "--blocks-per-file", str(blocks_per_file)]
     if storage_read_gbps:
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
@@ -115,6 +116,8 @@ def _main() -> None:
     ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
     ap.add_argument("--read-threads", type=int, default=16,
                     help="store reads of a stage in flight at once")
+    ap.add_argument("--blocks-per-file", type=int, default=1,
+                    help="Full Blocks (staging slots) per store file")
     args = ap.parse_args()
     if args.cpus:
         run_on(args.cpus)
@@ -131,7 +134,8 @@ def _main() -> None:
                      args.full_block_bytes, args.slots)
     slots.touch()  # first touch here, once
     pool = StagingPool(slots)
-    store = BlockStore(args.store, args.full_block_bytes, is_durable=False)
+    store = BlockStore(args.store, args.full_block_bytes * args.blocks_per_file,
+                       is_durable=False)
     agent = NixlAgent(agent_name("decode"), progress_thread=True)  # the prefill side's target
     agent.register([(pool.base, slots.capacity_bytes)])
     log_path = args.event_log

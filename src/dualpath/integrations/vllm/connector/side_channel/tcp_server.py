@@ -54,6 +54,11 @@ class DecodeSideChannel:
                  log: Callable[[dict[str, Any]], None] | None = None,
                  read_threads: int = 16) -> None:
         host, port = split_address(address)
+        self.blocks_per_file, rest = divmod(store.full_block_bytes, pool.full_block_bytes)
+        """g: blocks (staging slots) per store file."""
+        if rest or not self.blocks_per_file:
+            raise ValueError(f"store files of {store.full_block_bytes} B are not whole "
+                             f"staging slots of {pool.full_block_bytes} B")
         self.pool = pool
         self.store = store
         self.pacer = pacer
@@ -107,7 +112,8 @@ class DecodeSideChannel:
                     self._peers.add(msg.agent)
             return self._welcome
         if isinstance(msg, Stage):
-            return self._stage(msg.xfer, msg.first_block, msg.keys)
+            return self._stage(msg.xfer, msg.first_block, msg.keys,
+                               msg.num_blocks or len(msg.keys))
         if isinstance(msg, Alloc):
             slots = self.pool.alloc(msg.xfer, msg.blocks)
             return Slots(tuple(self.pool.address(s) for s in slots))
@@ -122,35 +128,45 @@ class DecodeSideChannel:
             return Done()
         raise SideChannelError(f"{type(msg).__name__} is not a request")
 
-    def _stage(self, xfer: str, first: int, keys: Sequence[bytes]) -> Staged:
-        """Read `keys` into slots of `xfer` (blocks `first`..), in parallel; the reply holds
-        the slots of the blocks before the first that failed (the prefill side recomputes
-        from there on, so later blocks read meanwhile are not offered)."""
-        blocks = list(range(first, first + len(keys)))
+    def _stage(self, xfer: str, first: int, keys: Sequence[bytes], num_blocks: int) -> Staged:
+        """Read the files `keys` into slots of `xfer`'s blocks `first .. first + num_blocks`,
+        in parallel, a slot per block (a file's blocks outside that range are dropped); the
+        reply holds the slots of the blocks before the first file that failed (the prefill
+        side recomputes from there on, so later blocks read meanwhile are not offered)."""
+        g = self.blocks_per_file
+        blocks = list(range(first, first + num_blocks))
+        files = [list(range(f * g, (f + 1) * g))
+                 for f in range(first // g, first // g + len(keys))]
+        if not blocks or not files or (first + num_blocks - 1) // g != first // g + len(keys) - 1:
+            raise SideChannelError(f"stage of {xfer}: {len(keys)} files of {g} blocks do not "
+                                   f"hold blocks {first}..{first + num_blocks - 1}")
         slots = self.pool.alloc(xfer, blocks, is_read=True)
+        slot_of = dict(zip(blocks, slots, strict=True))
 
-        def read(slot: int, key: bytes) -> tuple[bool, float]:
+        def read(key: bytes, file_blocks: list[int]) -> tuple[bool, float]:
+            out = [self.pool.slots.slot(slot_of[b]) if b in slot_of
+                   else bytearray(self.pool.full_block_bytes) for b in file_blocks]
             with self.pacer.reading(self.store.full_block_bytes) if self.pacer is not None \
                     else contextlib.nullcontext():
                 r0 = time.monotonic()
-                return self.store.get_into(key, self.pool.slots.slot(slot)), \
-                    time.monotonic() - r0
+                return self.store.get_into(key, out), time.monotonic() - r0
 
         ok = 0
         read_s = 0.0
         futures: list[Future[tuple[bool, float]]] = []
         try:
-            futures += (self._readers.submit(read, slot, key)
-                        for slot, key in zip(slots, keys, strict=True))
+            futures += (self._readers.submit(read, key, file_blocks)
+                        for key, file_blocks in zip(keys, files, strict=True))
             done = [f.result() for f in futures]
             read_s = sum(s for _, s in done)
-            ok = next((i for i, (is_read, _) in enumerate(done) if not is_read), len(done))
+            failed = next((f for f, (is_read, _) in enumerate(done) if not is_read), None)
+            ok = num_blocks if failed is None else max(0, files[failed][0] - first)
         finally:
             wait(futures)  # no read may write into a slot after the transfer lets it go
             self.pool.mark_staged(xfer, blocks[:ok])
         with self._counts_lock:
             self.num_staged_blocks += ok
-            self.num_stage_errors += ok < len(keys)
+            self.num_stage_errors += ok < num_blocks
         return Staged(tuple(self.pool.address(s) for s in slots[:ok]), round(read_s, 4))
 
     def close(self) -> None:

@@ -47,11 +47,15 @@ class Hello(Request):
 
 @dataclass(frozen=True)
 class Stage(Request):
-    """Read blocks `first_block ..` of `xfer` (their store keys) into staging slots."""
+    """Read blocks `first_block ..` of `xfer` into staging slots, a slot per block: `keys`
+    are the store keys of the files holding them (file `i`: blocks `[i * g, (i + 1) * g)`, g
+    the service's blocks per file; a file's blocks outside the range are read and dropped)."""
 
     xfer: str
     first_block: int
     keys: tuple[bytes, ...]
+    num_blocks: int = 0
+    """Blocks to stage (0: one per key, files of one block)."""
 
 
 @dataclass(frozen=True)
