@@ -26,8 +26,11 @@ scheduling cost (`RoutePolicy.schedule`) with `--instances` (half prefill, half 
 threads; here and with an NFS-like round trip per `stat`), and the parse of one instance's
 `/metrics` page.
 
+`--blocks-per-file` stores g vLLM blocks a file (the connector's `blocks_per_file`): the
+same bytes in 1/g of the files; a row per g.
+
 Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
-`--repeats`, `--block-tokens`, `--tp`, `--paths`).
+`--repeats`, `--block-tokens`, `--blocks-per-file`, `--tp`, `--paths`).
 """
 
 from __future__ import annotations
@@ -112,10 +115,14 @@ def paged_kv(shape: Shape, num_blocks: int, device: str) -> dict[str, torch.Tens
     return {f"model.layers.{i}.self_attn.attn": per_layer[i] for i in range(LAYERS)}
 
 
-def fill_store(store: BlockStore, num_blocks: int, block_tokens: int) -> list[bytes]:
-    keys = block_keys(list(range(num_blocks * block_tokens)), block_tokens)
-    g = torch.Generator().manual_seed(0)
-    block = torch.randint(0, 256, (store.full_block_bytes,), dtype=torch.uint8, generator=g)
+def fill_store(store: BlockStore, num_blocks: int, block_tokens: int,
+               blocks_per_file: int = 1) -> list[bytes]:
+    """`num_blocks` blocks in files of `blocks_per_file` (each under its last block's key);
+    returns the files' keys."""
+    g = blocks_per_file
+    keys = block_keys(list(range(num_blocks * block_tokens)), block_tokens)[g - 1::g]
+    gen = torch.Generator().manual_seed(0)
+    block = torch.randint(0, 256, (store.full_block_bytes,), dtype=torch.uint8, generator=gen)
     for i, key in enumerate(keys):
         block[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
         store.put(key, block.numpy().data, overwrite=False)
@@ -205,13 +212,15 @@ def plain_memcpy(num_bytes: int) -> Callable[[], None]:
 
 def check_pages(kv: dict[str, torch.Tensor], store: BlockStore, keys: list[bytes],
                 shape: Shape, block_ids: list[int]) -> None:
-    """The first and last block's first and last pages hold the stored bytes."""
+    """The first and last block's first and last pages hold the stored bytes (`keys`: the
+    files', of `store.full_block_bytes // shape.full_block_bytes` blocks each)."""
     names = list(kv)
+    g = store.full_block_bytes // shape.full_block_bytes
     buf = torch.empty(store.full_block_bytes, dtype=torch.uint8)
-    for b in {0, len(keys) - 1}:
-        assert store.get_into(keys[b], buf.numpy())
+    for b in {0, len(block_ids) - 1}:
+        assert store.get_into(keys[b // g], buf.numpy())
         for layer in {0, LAYERS - 1}:
-            lo = layer * shape.page_bytes
+            lo = (b % g) * shape.full_block_bytes + layer * shape.page_bytes
             got = kv[names[layer]][block_ids[b]].cpu().contiguous().view(torch.uint8).flatten()
             if not torch.equal(got, buf[lo:lo + shape.page_bytes]):
                 raise SystemExit(f"connector_bench: block {b} layer {layer}: wrong bytes")
@@ -226,7 +235,8 @@ def sync(kv: dict[str, torch.Tensor]) -> None:
 
 def pe_load(worker: KVWorker, kv: dict[str, torch.Tensor], keys: list[bytes],
             block_ids: list[int]) -> Callable[[], None]:
-    plan = StepPlan(loads=[BlockTransfer("r", 0, tuple(block_ids), tuple(keys))])
+    plan = StepPlan(loads=[BlockTransfer("r", 0, tuple(block_ids), tuple(keys),
+                                         worker.blocks_per_file)])
 
     def run() -> None:
         worker.bind(plan)
@@ -253,9 +263,9 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
     from dualpath.transport.nixl import NixlAgent, agent_name
     from dualpath.transport.slots import SlotPool
 
-    pool = StagingPool(SlotPool(None, store.full_block_bytes, len(keys)))
+    pool = StagingPool(SlotPool(None, worker.full_block_bytes, len(block_ids)))  # per block
     target = NixlAgent(agent_name("bench-decode"), progress_thread=True)
-    target.register([(pool.base, pool.num_slots * store.full_block_bytes)])
+    target.register([(pool.base, pool.num_slots * worker.full_block_bytes)])
     channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect,
                                 read_threads=stage_threads)
     prefill = PrefillRemote(worker, kv, host_bounce=host_bounce)
@@ -263,7 +273,7 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
     def run() -> None:
         xfer = uuid.uuid4().hex
         plan = StepPlan(remote_loads=[RemoteLoad(xfer, channel.address, BlockTransfer(
-            "r", 0, tuple(block_ids), tuple(keys)))])
+            "r", 0, tuple(block_ids), tuple(keys), worker.blocks_per_file))])
         worker.bind(plan)
         prefill.bind(plan)
         prefill.request_stages()
@@ -339,21 +349,29 @@ def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
 
 def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                 root: Path, read_threads: int, device: str,
-                stage_threads: list[int], de_pulls: list[str]) -> list[dict[str, float | str]]:
-    num_blocks = max(2, total_bytes // shape.full_block_bytes)
+                stage_threads: list[int], de_pulls: list[str],
+                blocks_per_file: int = 1) -> list[dict[str, float | str]]:
+    g = blocks_per_file
+    num_blocks = max(2, total_bytes // shape.full_block_bytes) // g * g or g
     nbytes = num_blocks * shape.full_block_bytes
-    store = BlockStore(root / f"store-{shape.block_tokens}", shape.full_block_bytes,
+    store = BlockStore(root / f"store-{shape.block_tokens}-g{g}", g * shape.full_block_bytes,
                        is_durable=False)
-    keys = fill_store(store, num_blocks, shape.block_tokens)
+    t0 = time.perf_counter()
+    keys = fill_store(store, num_blocks, shape.block_tokens, g)
+    fill_s = time.perf_counter() - t0
     kv = paged_kv(shape, num_blocks + 1, device)
     block_ids = list(range(num_blocks, 0, -1))  # not the order they are stored in
-    worker = KVWorker(store, list(kv), shape.page_bytes, read_threads=read_threads)
+    worker = KVWorker(store, list(kv), shape.page_bytes, read_threads=read_threads,
+                      blocks_per_file=g)
     worker.register(kv)  # as the connector does (`register_kv_caches`)
     rows: list[dict[str, float | str]] = []
+    print(f"   {g} blocks a file: {store.counters.num_puts} files written in {fill_s:.1f} s "
+          "(puts, no fsync)", file=sys.stderr, flush=True)
 
     def row(path: str, seconds: tuple[float, float]) -> None:
         wall, cpu = seconds
-        rows.append({"block_tokens": shape.block_tokens, "path": path,
+        rows.append({"block_tokens": shape.block_tokens, "blocks_per_file": g,
+                     "files": len(keys), "path": path,
                      "gb": nbytes / GB, "s": wall, "gb_per_s": nbytes / wall / GB,
                      "cpu_s": cpu, "gb_per_cpu_s": nbytes / max(cpu, 1e-9) / GB})
 
@@ -462,6 +480,9 @@ def main() -> int:
                     "warm-up (default: %(default)s)")
     ap.add_argument("--block-tokens", default="16,128", help="vLLM block sizes, "
                     "comma-separated (default: %(default)s)")
+    ap.add_argument("--blocks-per-file", default="1", help="vLLM blocks per store file (the "
+                    "connector's blocks_per_file), comma-separated, rows each "
+                    "(default: %(default)s)")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="tensor-parallel "
                     "size: one rank's share of the 8 KV heads (default: %(default)s)")
     ap.add_argument("--paths", default="pe,de", help="pe, de or both (default: %(default)s)")
@@ -503,6 +524,12 @@ def main() -> int:
                                              else "direct")).split(",") if x]
     if not de_pulls or not set(de_pulls) <= {"direct", "bounce"}:
         ap.error(f"--de-pull: {args.de_pull!r}: direct, bounce or direct,bounce")
+    try:
+        files_of = [int(x) for x in args.blocks_per_file.split(",") if x]
+    except ValueError:
+        files_of = []
+    if not files_of or min(files_of) < 1:
+        ap.error(f"--blocks-per-file: {args.blocks_per_file!r}: integers >= 1")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="connector-bench-", dir=args.dir) as tmp:
@@ -512,24 +539,27 @@ def main() -> int:
             shape = Shape(bt, KV_HEADS // args.tp)
             print(f"== {bt}-token blocks: page {shape.page_bytes >> 10} KiB, Full Block "
                   f"{shape.full_block_bytes / 2**20:.1f} MiB", file=sys.stderr, flush=True)
-            rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
-                                args.read_threads, args.device,
-                                [int(x) for x in args.stage_threads.split(",")], de_pulls)
+            for g in files_of:
+                rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
+                                    args.read_threads, args.device,
+                                    [int(x) for x in args.stage_threads.split(",")], de_pulls,
+                                    g)
         router = router_cost(args.instances, args.waiting, root)
         pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \
             if "de" in paths and args.pull_blocks else 0.0
     print(f"70B-shaped KV (64 layers, {KV_HEADS // args.tp} KV heads per rank, head 128, "
           f"bf16) on {args.device}, {args.gb:g} GB per row, median of {args.repeats}, "
           f"torch threads {torch.get_num_threads()}, read threads {args.read_threads}\n")
-    print("| block | path | GB/s | of plain read | of plain memcpy | GB per CPU-s | of plain "
-          "read's |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    base = {(r["block_tokens"], str(r["path"])): r for r in rows}
+    print("| block | blocks a file | files | path | GB/s | of plain read | of plain memcpy | "
+          "GB per CPU-s | of plain read's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = {(r["block_tokens"], r["blocks_per_file"], str(r["path"])): r for r in rows}
     for r in rows:
-        read = base[(r["block_tokens"], "plain read")]
-        copy = base[(r["block_tokens"], "plain memcpy")]
+        read = base[(r["block_tokens"], r["blocks_per_file"], "plain read")]
+        copy = base[(r["block_tokens"], r["blocks_per_file"], "plain memcpy")]
         rate, per_cpu = float(r["gb_per_s"]), float(r["gb_per_cpu_s"])
-        print(f"| {r['block_tokens']} | {r['path']} | {rate:.2f} | "
+        print(f"| {r['block_tokens']} | {r['blocks_per_file']} | {r['files']} | {r['path']} | "
+              f"{rate:.2f} | "
               f"{rate / float(read['gb_per_s']):.0%} | {rate / float(copy['gb_per_s']):.0%} | "
               f"{per_cpu:.2f} | {per_cpu / float(read['gb_per_cpu_s']):.0%} |")
     if args.json:

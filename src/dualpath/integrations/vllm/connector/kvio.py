@@ -274,11 +274,12 @@ class KVWorker:
         loads = [(t, b) for t in self._plan.loads for b in t.block_ids]
         if not loads:
             return
-        first_row: dict[int, int] = {}
-        """Transfer (its place in the plan) -> the staging row of its first block."""
+        first_row: list[int] = []
+        """Per transfer (in plan order), the staging row of its first block."""
         files: list[tuple[int, bytes, list[int | None]]] = []
+        """(transfer, key, rows: `BlockTransfer.files`) of every file to read."""
         for n, t in enumerate(self._plan.loads):
-            first_row[n] = sum(len(u.block_ids) for u in self._plan.loads[:n])
+            first_row.append(first_row[-1] + len(self._plan.loads[n - 1].block_ids) if n else 0)
             files += [(n, key, rows) for key, rows in t.files()]
         in_place = self._page_rows is not None
         staging = None
@@ -307,19 +308,20 @@ class KVWorker:
 
         done = self._map(self._readers, read, files)
         ok_rows: list[int] = []
-        for n, t in enumerate(self._plan.loads):
-            n_ok = 0
-            for (m, _, rows), is_read in zip(files, done, strict=True):
-                if m != n or t.req_id in self._failed_reqs:
-                    continue
+        n_ok = 0
+        for f, ((n, _, rows), is_read) in enumerate(zip(files, done, strict=True)):
+            t = self._plan.loads[n]
+            if t.req_id not in self._failed_reqs:
                 mine = [r for r in rows if r is not None]
-                if not is_read:  # recomputed from the file's first block on
+                if is_read:
+                    ok_rows += [first_row[n] + r for r in mine]
+                    n_ok += len(mine)
+                else:  # recomputed from the file's first block on
                     self.report_load_error(t.req_id, t.block_ids[mine[0]])
-                    continue
-                ok_rows += [first_row[n] + r for r in mine]
-                n_ok += len(mine)
-            self.count(loaded_blocks=n_ok)
-            self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
+            if f + 1 == len(files) or files[f + 1][0] != n:  # the transfer's last file
+                self.count(loaded_blocks=n_ok)
+                self._log("load", t, ok=n_ok, error=t.req_id in self._failed_reqs)
+                n_ok = 0
         self._loaded_ids = [loads[r][1] for r in ok_rows]
         if staging is not None:
             self._staging = staging[:, ok_rows] if len(ok_rows) < len(loads) else staging
