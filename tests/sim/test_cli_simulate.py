@@ -52,3 +52,17 @@ def test_read_disciplines_from_the_command_line(capsys: pytest.CaptureFixture[st
     assert main([*TINY, "--pe-reads", "shared:x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max_in_flight" in err[0]
+
+
+def test_dram_buffer_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A node whose buffer holds one read at a time starts its next read only once the step
+    that used the last one has run: reads no longer overlap compute."""
+    jct = {}
+    for gb in ("80", "0.001"):
+        assert main([*TINY, "--agents", "16", "--storage-nic-gbps", "0.5", "--mode", "basic",
+                     "--dram-buffer-gb", gb, "--json"]) == 0
+        jct[gb] = json.loads(capsys.readouterr().out)["basic"]["jct_s"]
+    assert jct["0.001"] > jct["80"]
+    assert main([*TINY, "--dram-buffer-gb", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dram_buffer_bytes" in err[0]

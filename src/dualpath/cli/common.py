@@ -49,6 +49,11 @@ def add_cluster_args(
     )
     g.add_argument("--dram-gbps", type=float, metavar="GB/S", help="override M, per node, in GB/s")
     g.add_argument(
+        "--dram-buffer-gb", type=float, metavar="GB",
+        help="override the DRAM each node sets aside as its PE or DE buffer, in GB (the paper: "
+             "80 for the DeepSeek models, 320 for Qwen2.5-32B)",
+    )
+    g.add_argument(
         "--prefill-nodes",
         type=int,
         default=default_prefill,
@@ -76,6 +81,8 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
         overrides["storage_nic_bytes_per_s"] = args.storage_nic_gbps * GB
     if args.dram_gbps is not None:
         overrides["dram_bytes_per_s"] = args.dram_gbps * GB
+    if getattr(args, "dram_buffer_gb", None) is not None:
+        overrides["dram_buffer_bytes"] = round(args.dram_buffer_gb * GB)
     if overrides:
         hw = hw.with_overrides(name=f"{hw.name}+overrides", **overrides)
     return hw
