@@ -93,3 +93,7 @@ def test_one_request_on_one_engine_matches_hand_computation() -> None:
     assert rec["decode_join_s"][0] == pytest.approx(t_join, rel=1e-9)
     assert rec["done_s"][0] == pytest.approx(t_join + (gen - 1) * step, rel=1e-9)
     assert r.jct_s == pytest.approx(t_join + (gen - 1) * step, rel=1e-9)
+    # The node's one prefill group ran one step: computing for `compute`, in the step (its
+    # KV streaming too) for the longer of the two.
+    assert r.prefill_compute_share == pytest.approx(compute / r.duration_s, rel=1e-9)
+    assert r.prefill_busy_share == pytest.approx(max(compute, stream) / r.duration_s, rel=1e-9)

@@ -117,6 +117,12 @@ class Handlers:
         self.attn_engines_ran = 0
         """Engines that ran, summed over the synchronized steps."""
         self.num_prefill_steps = 0
+        self.prefill_compute_s = 0.0
+        """Forward-pass time of every prefill step, summed over the prefill groups."""
+        self.prefill_busy_s = 0.0
+        """Wall time of every prefill step (its forward pass, and with layerwise prefill the
+        KV it streams in and out; without, the load into HBM before it), summed over the
+        prefill groups."""
 
     # -- arrival and inter-engine scheduling ---------------------------------------------------
     def add_agent(self, lo: int, hi: int, next_row: int) -> int:
@@ -426,6 +432,8 @@ class Handlers:
         if cl.step_costs is None:
             compute_s += coeffs.per_step_overhead_s
         self.num_prefill_steps += 1
+        self.prefill_compute_s += compute_s
+        grp.started_at = now
         self._set_forward_load(grp.engines, True)
         if self.is_oracle:
             grp.compute_pending = True
@@ -526,6 +534,7 @@ class Handlers:
                 eng.num_tokens -= self.policy.pe_charge(self.waiting[req.request_id])
                 self._touch(req.pe_engine)
         grp.is_busy = False
+        self.prefill_busy_s += self.loop.now_s - grp.started_at
         if outbound:
             # Basic: every request of the step waits for the step's KV transfer to the DEs.
             def sent() -> None:

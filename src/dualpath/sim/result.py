@@ -94,6 +94,12 @@ class SimResult:
     attention_engines_ran_mean: float
     """Engines that ran per synchronized step, on average (0 when none)."""
     buffer_peak_bytes_by_node: tuple[float, ...]
+    prefill_busy_share: float
+    """Share of the run its prefill groups (an expert-parallel node, or one engine) spent in
+    a step, their mean: what is left is a prefill side waiting for work (reads, requests)."""
+    prefill_compute_share: float
+    """Share of the run its prefill groups spent computing (forward passes), their mean; the
+    rest of a busy share is a step waiting for its KV to stream (layerwise) or load."""
     num_prefill_steps: int
     num_events: int
     num_flow_recomputes: int
@@ -188,6 +194,8 @@ class SimResult:
             "attention_ran_max_over_avg": self.attention_ran_max_over_avg,
             "attention_ran_max_over_avg_first5": self.attention_ran_max_over_avg_first5,
             "attention_engines_ran_mean": self.attention_engines_ran_mean,
+            "prefill_busy_share": self.prefill_busy_share,
+            "prefill_compute_share": self.prefill_compute_share,
             "resources": {
                 k: {
                     "num_links": u.num_links,
@@ -324,6 +332,7 @@ def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: 
     attn_series, attn_all, attn_first = binned_step_balance(
         handlers.attn_bin_ratio, handlers.attn_bin_steps, handlers.attn_bin_s, duration)
     attn_steps = sum(handlers.attn_bin_steps)
+    group_s = len(cluster.pgroups) * now
     return SimResult(
         mode=_mode_name(config.mode),
         cluster=config.cluster.label,
@@ -348,6 +357,8 @@ def build_result(config: SimConfig, cluster: Cluster, handlers: Handlers, loop: 
         attention_engines_ran_mean=(handlers.attn_engines_ran / attn_steps if attn_steps
                                     else 0.0),
         buffer_peak_bytes_by_node=tuple(n.buffer_peak_bytes for n in cluster.nodes),
+        prefill_busy_share=handlers.prefill_busy_s / group_s if group_s > 0 else 0.0,
+        prefill_compute_share=handlers.prefill_compute_s / group_s if group_s > 0 else 0.0,
         num_prefill_steps=handlers.num_prefill_steps,
         num_events=loop.num_events,
         num_flow_recomputes=net.num_recomputes,

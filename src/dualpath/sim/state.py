@@ -212,12 +212,14 @@ class PrefillGroup:
     (expert parallel), else one engine. One step at a time."""
 
     __slots__ = ("compute_pending", "engines", "idx", "is_busy", "kv_flow_pending", "outbound",
-                 "step")
+                 "started_at", "step")
 
     def __init__(self, idx: int, engines: list[int]) -> None:
         self.idx = idx
         self.engines = engines
         self.is_busy = False
+        self.started_at = 0.0
+        """When the running step started."""
         self.compute_pending = False
         self.kv_flow_pending = False
         self.step: list[tuple[Req, int]] = []

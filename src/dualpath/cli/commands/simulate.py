@@ -44,6 +44,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "policies, storage/compute NICs, DRAM and HBM charged hop by hop for both KV read "
             "paths. Several --mode values run side by side and their JCTs are compared."
         ),
+        epilog=(
+            "Table columns: SNIC util = mean storage-NIC read utilization; PE busy / PE comp = "
+            "share of the run the prefill groups spent in a step / computing (a busy share "
+            "well above the compute share is a prefill side waiting for its KV to stream; a "
+            "low busy share, one waiting for reads or requests); SNIC M/A = storage-NIC "
+            "traffic Max/Avg across machines per 10 s window (paper Fig. 13); attn M/A = "
+            "attention-time Max/Avg across the engines that ran in a synchronized prefill "
+            "step (Fig. 14)."
+        ),
     )
     add_cluster_args(p)
     w = p.add_argument_group("workload")
@@ -116,7 +125,8 @@ def _render(results: dict[str, SimResult]) -> str:
     first = next(iter(results.values()))
     lines.append(f"cluster {first.cluster}, {first.num_requests} turns")
     head = f"  {'mode':<10} {'JCT s':>10} {'vs basic':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-    head += f"{'TPOT ms':>8} {'SNIC util':>9} {'SNIC M/A':>9} {'attn M/A':>9}"
+    head += f"{'TPOT ms':>8} {'SNIC util':>9} {'PE busy':>8} {'PE comp':>8} {'SNIC M/A':>9} "
+    head += f"{'attn M/A':>9}"
     lines.append(head)
     base = results.get("basic")
     for name, r in results.items():
@@ -127,6 +137,7 @@ def _render(results: dict[str, SimResult]) -> str:
         lines.append(
             f"  {name:<10} {r.jct_s:>10.1f} {speed:>9} {ttft['p50']:>9.2f} {ttft['p99']:>9.2f} "
             f"{(tpot.mean() * 1e3 if len(tpot) else 0.0):>8.1f} {snic:>9.1%} "
+            f"{r.prefill_busy_share:>8.1%} {r.prefill_compute_share:>8.1%} "
             f"{r.snic_window_max_over_avg:>9.2f} {r.attention_ran_max_over_avg:>9.2f}"
         )
     return "\n".join(lines)
