@@ -123,6 +123,16 @@ def test_assemble_report_from_sections_and_full_runs(tmp_path: Path) -> None:
     assert "## Separate run (full/big): Fig. 7: offline JCT" in rebuilt
     assert "](figures/full/big/fig7_x.png)" in rebuilt
     assert "Where we differ from the paper" in rebuilt
+    # Hand-written analysis beside a section survives every rebuild, after its section.
+    (full / "addendum_fig7.md").write_text("### What we checked\n\n![y](fig7_y.png)\n")
+    (out / "addendum_fig7.md").write_text("### Checked at quick size too\n")
+    rebuilt = assemble_report(out, tmp_path / "again.md").read_text()
+    big = rebuilt.index("## Separate run (full/big): Fig. 7: offline JCT")
+    assert rebuilt.index("### What we checked") > big
+    assert "](figures/full/big/fig7_y.png)" in rebuilt
+    assert rebuilt.index("### Checked at quick size too") < big
+    run_experiments(ctx, ["fig7"], report, "test")  # a re-run keeps it as well
+    assert "### Checked at quick size too" in report.read_text()
 
 
 def test_fig9_table3_split_tiny(tmp_path: Path) -> None:

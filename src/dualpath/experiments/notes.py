@@ -67,14 +67,57 @@ These causes apply to every section; each section's tables show how large the di
    nominal rate, writes run at it). It is fitted on DS 27B 1P1D Basic at 32K and 64K only
    (`dualpath reproduce calibrate-storage`); every other cell is a prediction, and section
    `storage` shows fitted and predicted residuals apart, with the nominal-rate runs beside
-   them. The recorded form is a flat fraction of the line rate (the storage service's
-   throughput per client node); the per-block-overhead form, which reads DS 660B's and Qwen's
-   larger blocks faster, is shown beside it. Why flat: a request reads hundreds of Full Blocks
-   back to back, so a per-read latency is pipelined away and what remains is a throughput
-   limit; 3FS's own published aggregate (6.6 TiB/s over 500+ clients of 200 Gb/s, with
-   training traffic in the background: about 58% of a client's line rate) is of the same
-   size. Our KV size is not the cause of the gap: the paper's own Table 1 (section `table1`)
-   implies a smaller KV per token for DeepSeek-V3.2 than our preset stores.
+   them. The recorded form is a flat fraction of the line rate (0.538). Two block-size-dependent
+   forms are computed beside it at the same fitted rate: a per-block overhead (23.8 us), and
+   `queued`, derived from 3FS's own published reads (issue 26). `queued`: each Full Block read
+   costs a fixed latency `L` plus its bytes over one stream's rate `r`, a node keeps `C` reads
+   in flight, and the total is capped at 0.9 of the line rate. From deepseek-ai/3FS#410 (one
+   400 Gb/s client, random reads, 32 in flight): 1 MiB at 23.2 GiB/s gives a read time of
+   32 MiB / 23.2 GiB/s = 1.347 ms, 4 MiB at 32.5 GiB/s gives 3.846 ms, so
+   `r` = 3 MiB / 2.499 ms = 1.259 GB/s and `L` = 1.347 ms - 1 MiB / `r` = 0.514 ms; the cap is
+   the tuned run's ~42 GiB/s of 46.57 (0.90; the 3FS README's KVCache client peak, 40 GiB/s,
+   is 0.86). Only `C` is fitted: 31.3 reads in flight, within 2% of the benchmark's own 32.
+
+   | Full Block | flat (recorded) | per-block overhead | queued (3FS, C = 31.3) | paper's Basic |
+   |---|---|---|---|---|
+   | DS 27B, 1.39 MB | 0.538 (fitted) | 0.538 (fitted) | 0.538 (fitted) | 0.538 |
+   | DS 660B, 3.08 MB | 0.538 | 0.72 | 0.652 | ~0.54 (Basic within 2% at 64K with the flat rate) |
+   | Qwen2.5-32B, 16.78 MB | 0.538 | 0.93 | 0.760 | ~0.75 (issue 26: 1.39x the flat rate) |
+
+   Why the record stays flat: the paper's Basic JCTs read DS 27B's and DS 660B's blocks at the
+   same rate, and any form in which a read's fixed cost is amortized over more bytes reads DS
+   660B's 2.2x larger blocks faster. `queued` hides most of that latency behind the other
+   reads in flight (0.652, not the per-block form's 0.72), but that still shortens DS 660B's
+   Basic by 13-15% at 64K (errors -14.6%, -16.1%, -14.8% at 512, 1,024 and 2,048 agents,
+   against -1.8%, -2.4%, 0.0% flat; 0-13% shorter at 32K and 48K, errors -11% to -24%), which
+   fails the requirement that DS 660B's Basic stay within 2-4% at 64K. Its DualPath cells
+   barely move (within 1.5%). `queued` does what flat
+   cannot for Qwen: Basic falls 28-29% (to 0.71-0.72 of the flat JCTs, the size the held-out
+   cells ask for). One reading reconciles the two models: `queued`'s DS 660B Basic at 64K
+   (4,528 s at 1,024 agents, 8,609 s at 2,048) sits 1-3% above the paper's *+layerwise*
+   ablation step (Basic -17.21% averaged over those two sizes: ~4,471 s and ~8,362 s), which
+   still reads on the prefill side only. If the paper's non-layerwise Basic loses ~17% to
+   something other than the storage rate (the +layerwise step of issue 26, item 2, which our
+   Basic does not reproduce), `queued` fits DS 660B; but then the DS 27B Basic cells the fit
+   uses carry that loss too and `C` must be refitted with it. Until that mechanism is modelled,
+   `queued` is reported, not recorded. The held-out sets under both forms (2026-12-03,
+   `benchmarks/storage_heldout.py`) and the reasons no storage form alone can keep DS 660B
+   (the paper's Basic implies its larger blocks moved slower; one `C` would need 25.9 reads in
+   flight for DS 660B against 31.3 for DS 27B and 30.9 for Qwen) are in section `storage`,
+   "Held-out cells under both forms". Qwen's DualPath under `queued` (its storage 1.41x the
+   flat rate, the diagnostic of issue 26) runs 13-27% shorter than flat (0.73x at 32K, 0.81x
+   at 48K, 0.86-0.87x at 64K), so its DualPath/Basic speedup stays 2.4-2.9x against the
+   paper's 1.63x. No second limit was modelled for it: at 512 agents, 32K, our run is bound by
+   the storage NICs (91% busy on average) while every link of the DE->PE path has 3-4x
+   headroom (compute NICs 18-26% busy, DE DRAM 28%, PE DRAM 14%; the PE node's buffer peaks at
+   190 of its 320 GB), as the paper's own bottleneck-free analysis (section 4.2, P/D = 0.5)
+   says it should; requests wait 6 s on average for decode HBM, which the simulator reserves
+   at DE assignment, before the read, as the paper's DE scheduler does. So the candidates on
+   the DE->PE path are not supported by the paper's analysis at nominal rates; attention DP
+   on a dense model and Qwen's uncalibrated cost model (item 6; its Oracle is -14% to +25% of
+   the paper's) remain open. Our KV size is not the cause of the gap: the paper's
+   own Table 1 (section `table1`) implies a smaller KV per token for DeepSeek-V3.2 than our
+   preset stores, which would make the DS 660B mismatch larger.
 9. **The +layerwise ablation step.** Without layerwise prefill a prefill engine must hold a
    request's whole KV in HBM: our Basic reads land in the PE's HBM, which holds each request's
    KV from its read's start until it has left for the decode side (`sim.handlers`,

@@ -132,7 +132,10 @@ def run_experiments(
         for sec in sections:
             write_claims(ctx.out_dir, sec)
         claims, _, _ = claims_markdown(ctx.out_dir, [s.key for s in sections])
-        write_report(report, sections, _with_claims(header, claims))
+        addenda = {s.key: addendum_path(ctx.path(f"section_{s.key}.md")) for s in sections}
+        write_report(report, sections, _with_claims(header, claims),
+                     {k: _relink(p.read_text(encoding="utf-8"), ctx.out_dir, report.parent)
+                      for k, p in addenda.items() if p.exists()})
         _append_full(ctx.out_dir, report)
     else:
         for sec in sections:
@@ -173,7 +176,7 @@ def assemble_report(out_dir: Path, report: Path) -> Path:
     for key in EXPERIMENTS:
         sec = out_dir / f"section_{key}.md"
         if sec.exists():
-            parts.append(_relink(sec.read_text(encoding="utf-8"), out_dir, report.parent))
+            parts.append(_relink(_with_addendum(sec), out_dir, report.parent))
     report.write_text("\n".join(parts), encoding="utf-8")
     _append_full(out_dir, report)
     return report
@@ -189,6 +192,25 @@ def _relink(text: str, folder: Path, report_dir: Path) -> str:
 
 _LINK = re.compile(r"\]\((?!https?:|/)([^)]+)\)")
 
+ADDENDUM_PREFIX = "addendum_"
+"""`addendum_KEY.md` beside `section_KEY.md`: analysis written by hand after the run (what was
+checked, with its commands), appended to the section whenever the report is assembled, so a
+rebuilt report keeps it; a re-run of the experiment rewrites the section, not its addendum."""
+
+
+def addendum_path(section: Path) -> Path:
+    """Where the hand-written addendum of a `section_KEY.md` lives."""
+    return section.with_name(ADDENDUM_PREFIX + section.name.removeprefix("section_"))
+
+
+def _with_addendum(section: Path) -> str:
+    """The section's markdown, then its addendum's (if any), before the section's trailer."""
+    text = section.read_text(encoding="utf-8")
+    extra = addendum_path(section)
+    if not extra.exists():
+        return text
+    return text.rstrip() + "\n\n" + extra.read_text(encoding="utf-8").strip() + "\n\n"
+
 
 def included_sections(folder: Path, report_dir: Path) -> str:
     """The `section_*.md` files of `folder`, links rewritten relative to `report_dir`."""
@@ -196,7 +218,7 @@ def included_sections(folder: Path, report_dir: Path) -> str:
         return ""
     parts = []
     for f in sorted(folder.rglob("section_*.md")):
-        text = _relink(f.read_text(encoding="utf-8"), f.parent, report_dir)
+        text = _relink(_with_addendum(f), f.parent, report_dir)
         # Named by its folder: two runs of one experiment (e.g. two setups) share a title.
         where = f.parent.relative_to(folder.parent).as_posix()
         parts.append(text.replace("## ", f"## Separate run ({where}): ", 1))

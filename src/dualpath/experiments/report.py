@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,10 +172,16 @@ def _rel(f: Path, base: Path) -> str:
         return str(f)
 
 
-def write_report(path: Path, sections: Sequence[Section], header: str) -> Path:
-    """The whole report: `header` (markdown), then every section in order."""
+def write_report(path: Path, sections: Sequence[Section], header: str,
+                 addenda: Mapping[str, str] | None = None) -> Path:
+    """The whole report: `header` (markdown), then every section in order, each followed by
+    its hand-written addendum (`addenda`: section key -> markdown), if any."""
     parts = [header.rstrip(), ""]
-    parts += [section_markdown(s, path.parent) for s in sections]
+    for s in sections:
+        parts.append(section_markdown(s, path.parent))
+        extra = (addenda or {}).get(s.key, "").strip()
+        if extra:
+            parts += [extra, ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
