@@ -27,7 +27,9 @@ threads; here and with an NFS-like round trip per `stat`), and the parse of one 
 `/metrics` page.
 
 `--blocks-per-file` stores g vLLM blocks a file (the connector's `blocks_per_file`): the
-same bytes in 1/g of the files; a row per g.
+same bytes in 1/g of the files; a row per g, and the stored-prefix count per g. `--paths
+save` adds the save path (`KVWorker.capture` and `flush` into a durable store: a temp file,
+an fsync and a rename per file).
 
 Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
 `--repeats`, `--block-tokens`, `--blocks-per-file`, `--tp`, `--paths`).
@@ -38,9 +40,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
+import itertools
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,7 +60,7 @@ from typing import Any
 import crc32c
 import torch
 
-from dualpath.core.blocks import block_keys
+from dualpath.core.blocks import block_keys, max_hit_blocks
 from dualpath.core.store import CRC_RELEASE_GIL_BYTES, HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
@@ -151,19 +156,22 @@ def page_rows(kv: dict[str, torch.Tensor]) -> list[Any]:
 
 def read_in_place(store: BlockStore, kv: dict[str, torch.Tensor], keys: list[bytes],
                   block_ids: list[int], threads: ThreadPoolExecutor) -> Callable[[], None]:
-    """What the PE path does on host memory, less the checks: each file's pages scattered
-    into their places in the paged KV by one `preadv` (header skipped), on `threads`."""
+    """What the PE path does on host memory, less the checks: each file's pages (its blocks',
+    block-major) scattered into their places in the paged KV by one `preadv` (header
+    skipped), on `threads`."""
     rows = page_rows(kv)
+    g = len(block_ids) // len(keys)  # blocks a file
 
-    def one(key: bytes, block_id: int) -> None:
-        fd = os.open(store.path_of(key), os.O_RDONLY)
+    def one(f: int) -> None:
+        fd = os.open(store.path_of(keys[f]), os.O_RDONLY)
         try:
-            os.preadv(fd, [layer[block_id] for layer in rows], HEADER_BYTES)
+            os.preadv(fd, [layer[b] for b in block_ids[f * g:(f + 1) * g] for layer in rows],
+                      HEADER_BYTES)
         finally:
             os.close(fd)
 
     def run() -> None:
-        list(threads.map(one, keys, block_ids))
+        list(threads.map(one, range(len(keys))))
     return run
 
 
@@ -247,6 +255,30 @@ def pe_load(worker: KVWorker, kv: dict[str, torch.Tensor], keys: list[bytes],
         sync(kv)
         if worker.take_load_errors():
             raise SystemExit("connector_bench: PE load errors")
+    return run
+
+
+def save(store: BlockStore, kv: dict[str, torch.Tensor], block_ids: list[int],
+         block_tokens: int, blocks_per_file: int) -> Callable[[], None]:
+    """The save path (`KVWorker.capture` per layer, then `flush`: its writer threads' puts,
+    each a temp file, its fsync when `store` is durable, and a rename) of `block_ids`, in
+    files of `blocks_per_file`, under new keys each run (a stored file is not written again)."""
+    g = blocks_per_file
+    worker = KVWorker(store, list(kv), next(iter(kv.values()))[0].numel() * DTYPE_BYTES,
+                      blocks_per_file=g)
+    runs = itertools.count()
+
+    def run() -> None:
+        parent = hashlib.blake2b(f"save-{next(runs)}".encode(), digest_size=16).digest()
+        keys = block_keys(list(range(len(block_ids) * block_tokens)), block_tokens,
+                          parent)[g - 1::g]
+        worker.bind(StepPlan(saves=[BlockTransfer("s", 0, tuple(block_ids), tuple(keys), g)]))
+        worker.load()
+        for name, layer in kv.items():
+            worker.capture(name, layer)
+        worker.flush()
+        if worker.counters.failed_saves:
+            raise SystemExit("connector_bench: failed saves")
     return run
 
 
@@ -387,6 +419,11 @@ def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                 row("  its reads alone (no CRC)",
                     measure(read_in_place(store, kv, keys, block_ids, pool), repeats))
                 row("  its CRC32C alone", measure(crc_pages(kv, block_ids, pool), repeats))
+    if "save" in paths:
+        durable = BlockStore(root / f"save-{shape.block_tokens}-g{g}", store.full_block_bytes)
+        row("save (KVWorker, fsync per file)",
+            measure(save(durable, kv, block_ids, shape.block_tokens, g), repeats))
+        shutil.rmtree(durable.root)
     for threads in stage_threads if "de" in paths else []:
         for how in de_pulls:
             for layer in kv.values():
@@ -441,24 +478,7 @@ def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, f
         t0 = time.perf_counter()
         policy.schedule()
         events.append(time.perf_counter() - t0)
-    store = BlockStore(root / "router-store", 16, is_durable=False)
-    manifest = StoreManifest(namespace=bytes(16).hex(), model="m", block_size=16,
-                             full_block_bytes=16)
-    tokens = list(range(32_768))
-    for key in block_keys(tokens, 16, manifest.namespace_bytes):
-        store.put(key, bytes(16), overwrite=False)
-    def hit(is_stored: Callable[[bytes], bool], threads: ThreadPoolExecutor | None) -> None:
-        if manifest.hit_blocks(tokens, is_stored, threads) != 2047:
-            sys.exit("connector_bench: wrong hit")
-
-    def remote_stat(key: bytes) -> bool:  # a metadata round trip of NFS_STAT_S first
-        time.sleep(NFS_STAT_S)
-        return store.contains(key)
-    with ThreadPoolExecutor(STAT_THREADS) as threads:
-        hit_s = median_s(lambda: hit(store.contains, None), 5)
-        hit_waves_s = median_s(lambda: hit(store.contains, threads), 5)
-        hit_nfs_s = median_s(lambda: hit(remote_stat, None), 3)
-        hit_nfs_waves_s = median_s(lambda: hit(remote_stat, threads), 3)
+    count = prefix_count_cost(root, 1)
     page = vllm_metrics_page()
     parse_s = median_s(lambda: None if parse_vllm_metrics(page, 16.0).running == 6
                        else sys.exit("connector_bench: wrong metrics"), 20)
@@ -466,9 +486,34 @@ def router_cost(num_instances: int, num_waiting: int, root: Path) -> dict[str, f
             "metrics_page_kib": len(page) / 1024, "metrics_parse_ms": parse_s * 1e3,
             "first_schedule_ms": first_s * 1e3,
             "event_schedule_ms": statistics.median(events) * 1e3 if events else 0.0,
-            "hit_blocks_32k_ms": hit_s * 1e3, "hit_blocks_32k_waves_ms": hit_waves_s * 1e3,
-            "hit_blocks_32k_nfs_ms": hit_nfs_s * 1e3,
-            "hit_blocks_32k_nfs_waves_ms": hit_nfs_waves_s * 1e3}
+            **{f"hit_blocks_32k{k}": v for k, v in count.items()}}
+
+
+def prefix_count_cost(root: Path, blocks_per_file: int) -> dict[str, float]:
+    """A 32K-token prompt's stored-prefix count (`StoreManifest.hit_blocks`: a `stat` per
+    file of `blocks_per_file` 16-token blocks), ms: one by one and in waves on the router's
+    threads, on the local disk and with `NFS_STAT_S` per `stat`."""
+    g = blocks_per_file
+    store = BlockStore(root / f"router-store-g{g}", 16 * g, is_durable=False)
+    manifest = StoreManifest(namespace=bytes(16).hex(), model="m", block_size=16,
+                             full_block_bytes=16, blocks_per_file=g)
+    tokens = list(range(32_768))
+    for key in block_keys(tokens, 16, manifest.namespace_bytes)[g - 1::g]:
+        store.put(key, bytes(16 * g), overwrite=False)
+    want = max_hit_blocks(len(tokens), 16 * g) * g  # 2,047 blocks of 16; 2,040 in files of 8
+
+    def hit(is_stored: Callable[[bytes], bool], threads: ThreadPoolExecutor | None) -> None:
+        if manifest.hit_blocks(tokens, is_stored, threads) != want:
+            sys.exit("connector_bench: wrong hit")
+
+    def remote_stat(key: bytes) -> bool:  # a metadata round trip of NFS_STAT_S first
+        time.sleep(NFS_STAT_S)
+        return store.contains(key)
+    with ThreadPoolExecutor(STAT_THREADS) as threads:
+        return {"_ms": median_s(lambda: hit(store.contains, None), 5) * 1e3,
+                "_waves_ms": median_s(lambda: hit(store.contains, threads), 5) * 1e3,
+                "_nfs_ms": median_s(lambda: hit(remote_stat, None), 3) * 1e3,
+                "_nfs_waves_ms": median_s(lambda: hit(remote_stat, threads), 3) * 1e3}
 
 
 def main() -> int:
@@ -485,7 +530,8 @@ def main() -> int:
                     "(default: %(default)s)")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="tensor-parallel "
                     "size: one rank's share of the 8 KV heads (default: %(default)s)")
-    ap.add_argument("--paths", default="pe,de", help="pe, de or both (default: %(default)s)")
+    ap.add_argument("--paths", default="pe,de", help="pe, de, save (the save path into a "
+                    "durable store), comma-separated (default: %(default)s)")
     ap.add_argument("--instances", type=int, default=40, help="router: vLLM instances, half "
                     "prefill (default: %(default)s)")
     ap.add_argument("--waiting", type=int, default=2000, help="router: queued requests "
@@ -516,8 +562,8 @@ def main() -> int:
     if not args.gb > 0 or args.repeats < 1:
         ap.error("--gb must be > 0 and --repeats >= 1")
     paths = [p for p in args.paths.split(",") if p]
-    if not set(paths) <= {"pe", "de"}:
-        ap.error(f"--paths: {args.paths!r}: pe, de or pe,de")
+    if not set(paths) <= {"pe", "de", "save"}:
+        ap.error(f"--paths: {args.paths!r}: pe, de, save, comma-separated")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device here")
     de_pulls = [x for x in (args.de_pull or ("direct,bounce" if args.device.startswith("cuda")
@@ -545,6 +591,7 @@ def main() -> int:
                                     [int(x) for x in args.stage_threads.split(",")], de_pulls,
                                     g)
         router = router_cost(args.instances, args.waiting, root)
+        counts = {g: prefix_count_cost(root, g) for g in files_of if g > 1}
         pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \
             if "de" in paths and args.pull_blocks else 0.0
     print(f"70B-shaped KV (64 layers, {KV_HEADS // args.tp} KV heads per rank, head 128, "
@@ -577,6 +624,11 @@ def main() -> int:
           f"{router['hit_blocks_32k_nfs_ms']:.0f} / {router['hit_blocks_32k_nfs_waves_ms']:.0f} "
           f"ms with {NFS_STAT_S * 1e3:g} ms per stat (NFS-like); one instance's /metrics page "
           f"({router['metrics_page_kib']:.0f} KiB) parsed in {router['metrics_parse_ms']:.2f} ms")
+    for g, c in counts.items():
+        print(f"a 32K prompt's stored prefix in files of {g} blocks "
+              f"({max_hit_blocks(32_768, 16 * g)} files): {c['_ms']:.1f} / "
+              f"{c['_waves_ms']:.1f} ms here, {c['_nfs_ms']:.0f} / {c['_nfs_waves_ms']:.0f} ms "
+              f"with {NFS_STAT_S * 1e3:g} ms per stat")
     return 0
 
 

@@ -59,6 +59,32 @@ def test_a_scatter_read_fills_several_buffers_in_order_and_is_verified(
         store.get_into(key, [memoryview(p) for p in pages[:3]])
 
 
+def test_a_block_larger_than_a_read_piece_is_read_and_checked_in_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read and checksummed `READ_CHUNK_BYTES` at a time (a file of several vLLM blocks),
+    into one buffer or into more buffers than one `preadv` takes (IOV_MAX): the same bytes,
+    and a flipped byte in a later piece or a short file is still never served."""
+    nbytes = 1200 * 8  # 1,200 pages of 8 B: more buffers than IOV_MAX (1,024)
+    store = BlockStore(tmp_path, nbytes, is_durable=False)
+    key = block_keys(list(range(64)), 64)[0]
+    store.put(key, payload(5, nbytes))
+    pages = [np.zeros(8, dtype=np.uint8) for _ in range(1200)]
+    assert store.get_into(key, [memoryview(p) for p in pages])
+    assert b"".join(p.tobytes() for p in pages) == payload(5, nbytes)
+    monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", 1000)  # pieces of one buffer
+    whole = np.zeros(nbytes, dtype=np.uint8)
+    assert store.get_into(key, memoryview(whole))
+    assert whole.tobytes() == payload(5, nbytes)
+    raw = bytearray(store.path_of(key).read_bytes())
+    raw[HEADER_BYTES + nbytes - 3] ^= 0x10  # in the last piece
+    store.path_of(key).write_bytes(raw)
+    assert not store.get_into(key, [memoryview(p) for p in pages])
+    store.put(key, payload(5, nbytes))
+    store.path_of(key).write_bytes(store.path_of(key).read_bytes()[:-2000])  # short
+    assert not store.get_into(key, memoryview(whole))
+    assert store.counters.num_corrupt == 2 and store.counters.num_hits == 2
+
+
 def test_missing_block_is_a_counted_miss(tmp_path: Path) -> None:
     store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
     assert not store.get_into(b"\x01" * 16, bytearray(BLOCK_BYTES))
