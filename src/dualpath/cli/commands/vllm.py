@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--staging-blocks", type=int, default=32, metavar="N",
                     help="Full Block slots of each decode node's staging buffer "
                     "(default: %(default)s)")
+    up.add_argument("--blocks-per-file", type=int, metavar="G",
+                    help="vLLM blocks per store file (the connector's blocks_per_file; "
+                    "default: the connector's, files of at least 128 tokens)")
     up.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
     up.add_argument("--loads", choices=LOAD_MODES, default="sync", help=LOADS_HELP)
     up.add_argument("--dtype", default="float32", help="vLLM's --dtype (a GPU: bfloat16 or "
@@ -103,6 +106,7 @@ def run_up(args: argparse.Namespace) -> int:
                            num_prefill=args.prefill, num_decode=args.decode,
                            log_dir=Path(tmp) if args.store is None else store.parent,
                            staging_blocks=args.staging_blocks,
+                           blocks_per_file=args.blocks_per_file,
                            storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
                            async_loads=args.loads == "async", dtype=args.dtype,
                            cuda_graphs=args.cuda_graphs,

@@ -248,6 +248,19 @@ def test_blocks_per_file_must_be_a_positive_integer(tmp_path: Path) -> None:
         128, 8, 4, 2, 1, 1]
 
 
+def test_the_launcher_passes_blocks_per_file_only_when_set(tmp_path: Path) -> None:
+    from dualpath.integrations.vllm.cluster.launch import VllmClusterSpec, kv_transfer_config
+
+    spec = VllmClusterSpec(model="m", store=tmp_path, python="python")
+    for role in ("prefill", "decode"):
+        extra = kv_transfer_config(spec, role, "127.0.0.1:1", None)["kv_connector_extra_config"]
+        assert "blocks_per_file" not in extra  # the connector's default
+        extra = kv_transfer_config(VllmClusterSpec(model="m", store=tmp_path, python="python",
+                                                   blocks_per_file=4), role, "127.0.0.1:1",
+                                   None)["kv_connector_extra_config"]
+        assert extra["blocks_per_file"] == 4
+
+
 # -- the DE path: a decode node stages files into per-block slots, NIXL pulls them --------
 nixl = pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 

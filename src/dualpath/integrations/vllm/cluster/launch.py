@@ -130,6 +130,9 @@ class VllmClusterSpec:
     """Each instance's emulated storage NIC for reads (None: unpaced)."""
     async_loads: bool = False
     """The prefill instances' background loads (`async_loads` of the connector)."""
+    blocks_per_file: int | None = None
+    """vLLM blocks per store file (the connector's `blocks_per_file`; None: its default,
+    files of at least 128 tokens)."""
     hosts: str = "loopback"
     """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
     own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
@@ -301,6 +304,8 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
         extra["event_log"] = str(event_log)
     if spec.storage_read_gbps:
         extra["storage_read_gbps"] = spec.storage_read_gbps
+    if spec.blocks_per_file is not None:
+        extra["blocks_per_file"] = spec.blocks_per_file
     if role == "decode":
         extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
     else:
