@@ -30,7 +30,7 @@ from dualpath.integrations.vllm.connector.plan import (
     default_blocks_per_file,
     namespace_key,
 )
-from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 
 KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -186,6 +186,27 @@ def test_a_missing_file_fails_all_its_blocks(tmp_path: Path) -> None:
     assert worker.load_whole(t) == 8
     assert all(same_block(bg, 30 + i, src, i) for i in range(8))
     assert not any(bg[n][38:46].any() for n in LAYERS)
+
+
+def test_two_tensor_parallel_ranks_keep_their_own_files(tmp_path: Path) -> None:
+    """Per-rank keys as before, per file: each rank saves its shard of the same files and
+    loads its own back."""
+    store = store_of(tmp_path / "store")
+    ranks = [KVWorker(store, LAYERS, PAGE, shard=Shard(r, 2), blocks_per_file=G)
+             for r in range(2)]
+    planner = Planner(BS, NS, store.contains, num_shards=2, blocks_per_file=G)
+    planner.add_request("a", PROMPT)
+    plan = run(planner, "a", list(range(20)), len(PROMPT))
+    shards = [paged(10 + r) for r in range(2)]
+    for worker, kv in zip(ranks, shards, strict=True):
+        step(worker, plan, kv)
+    assert len(store.keys()) == 4  # 2 files x 2 ranks
+    (saved,) = plan.saves
+    load = BlockTransfer("b", 0, tuple(range(30, 46)), saved.keys, blocks_per_file=G)
+    for worker, kv in zip(ranks, shards, strict=True):
+        dst = paged()
+        assert step(worker, StepPlan(loads=[load]), dst) == set()
+        assert all(same_block(dst, 30 + i, kv, i) for i in range(16))
 
 
 @pytest.mark.parametrize("g", [1, 2, 8])
