@@ -11,12 +11,14 @@ bytes, and how the read-path decisions fell: `decisions` (requests with hits who
 chosen), `ties` (both nodes' read queues equal when deciding: queued plus in-flight tokens),
 `ties_both_empty` (both zero), `pe_side` (read wholly on the PE side).
 
-`--ties` sets `SchedulerParams.dual_tie_side` (the simulator's CLI does not expose it).
+`--ties` sets `SchedulerParams.dual_tie_side` (now also `dualpath simulate --read-tie-side`).
 `--rr-path` changes how the round-robin baseline (`dual-path` mode only) picks a request's read
 side: `queue` is the simulator's rule (the shorter read queue, as DualPath); `alternate` (PE,
 DE, PE, ... over the run's requests) and `random` (a fair coin, seed 0) read half the requests
 on each side without looking at the queues, one reading of the paper's "w/o scheduling" step,
-whose text puts the path choice in the inter-engine scheduler (§6.1).
+whose text puts the path choice in the inter-engine scheduler (§6.1). (`random` is now also
+`SchedulerParams.rr_read_side` / `dualpath simulate --rr-read-side random`, with its own seeded
+generator, so its runs differ from this probe's numpy coin in detail.)
 
 It runs the pure-Python simulator (`DUALPATH_PURE_PYTHON=1`, 3-4x slower than the compiled
 build; the same results) so that it can wrap `plan_pair_read` where `sched.pe` and `sched.de`
@@ -44,7 +46,7 @@ from dualpath.experiments.runner import RunSpec
 from dualpath.experiments.setups import setup
 from dualpath.sched.cost import coefficients_for
 from dualpath.sched.params import SchedulerParams, derive_scheduler_params
-from dualpath.sched.path import apply_read_plan, plan_pair_read
+from dualpath.sched.path import ReadSideChooser, apply_read_plan, plan_pair_read
 from dualpath.sched.types import ReadPlan
 from dualpath.sim.result import mean_finite, window_max_over_avg
 from dualpath.sim.simulator import simulate
@@ -70,10 +72,11 @@ class PathProbe:
         self.counts[key] = self.counts.get(key, 0) + n
 
     def __call__(self, params: SchedulerParams, hit_tokens: int, pe_node: int, de_node: int,
-                 decide_q: Mapping[int, int], read_q: MutableMapping[int, int]) -> ReadPlan:
+                 decide_q: Mapping[int, int], read_q: MutableMapping[int, int],
+                 sides: ReadSideChooser | None = None) -> ReadPlan:
         qp, qd = decide_q.get(pe_node, 0), decide_q.get(de_node, 0)
         if self.how == "queue" or hit_tokens == 0:
-            plan = plan_pair_read(params, hit_tokens, pe_node, de_node, decide_q, read_q)
+            plan = plan_pair_read(params, hit_tokens, pe_node, de_node, decide_q, read_q, sides)
         else:
             blocks = hit_tokens // params.block_size_tokens
             if self.how == "alternate":

@@ -16,6 +16,7 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.cluster import ClusterSpec
+from dualpath.core.errors import SpecError
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
@@ -25,7 +26,7 @@ from dualpath.runtime.model.sampling import SamplingParams
 from dualpath.runtime.run_config import RunConfig, scheduler_params
 from dualpath.runtime.scheduler_process import RuntimeScheduler, SchedulerConfig, Submitted
 from dualpath.sched.cost import coefficients_for
-from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.params import PathMode, RRReadSide, SchedulerParams, TieSide
 from dualpath.sched.types import EngineReport, Role, WaitingRequest
 from dualpath.sim import SimConfig, SimParams, Workload, mode_preset
 from dualpath.sim.sched_adapter import Policy
@@ -301,3 +302,35 @@ def test_every_world_derives_alpha_by_one_rule() -> None:
         rate * 3.0 / layout.kv_bytes_per_token, rel=1e-12)
     routed, _ = route_params("dualpath", BS, kv, storage_gbps=rate * 8 / 1e9)
     assert routed.alpha_tokens == pytest.approx(want, rel=1e-12)
+
+
+def test_every_world_passes_the_read_side_choices() -> None:
+    """`dual_tie_side` and `rr_read_side` (unset: the scheduler's defaults) and the node counts
+    the balanced tie rule weighs, in the simulator, the runtime and the router."""
+    hw, model = hardware_preset("h800-deepseek"), model_preset("ds-27b")
+    coeffs = coefficients_for(model, hw)
+    sim = SimConfig(ClusterSpec(hw, model, P, D), Workload.from_lists([[(64, 0, 1)]]),
+                    mode=mode_preset("dual-path"),
+                    scheduler_overrides=(("dual_tie_side", "balanced"),
+                                         ("rr_read_side", "random")))
+    sched = Policy(sim, coeffs, D).sched
+    assert (sched.params.dual_tie_side, sched.params.rr_read_side) == (
+        TieSide.BALANCED, RRReadSide.RANDOM)
+    assert (sched.sides.num_pe_nodes, sched.sides.num_de_nodes) == (P, D)
+    assert sched.sides.is_queue_blind
+    plain = Policy(SimConfig(sim.cluster, sim.workload), coeffs, D).sched.params
+    assert (plain.dual_tie_side, plain.rr_read_side) == (TieSide.PE, RRReadSide.QUEUE)
+    layout = KVLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=16)
+    run = RunConfig(mode="dual-path", store_root=".", read_tie_side="balanced",
+                    rr_read_side="random")
+    got = scheduler_params(run, layout)
+    assert (got.dual_tie_side, got.rr_read_side) == (TieSide.BALANCED, RRReadSide.RANDOM)
+    default = scheduler_params(RunConfig(mode="dual-path", store_root="."), layout)
+    assert (default.dual_tie_side, default.rr_read_side) == (TieSide.PE, RRReadSide.QUEUE)
+    with pytest.raises(SpecError, match="rr_read_side"):
+        RunConfig(mode="dual-path", store_root=".", rr_read_side="alternate")
+    rt = RuntimeScheduler(SchedulerConfig(got, P, D, G, is_round_robin=True, seed=3))
+    assert (rt.sched.sides.num_pe_nodes, rt.sched.sides.num_de_nodes) == (P, D)
+    assert rt.sched.sides.is_queue_blind
+    router = RoutePolicy(got, 2, 3)
+    assert (router.sched.sides.num_pe_nodes, router.sched.sides.num_de_nodes) == (2, 3)

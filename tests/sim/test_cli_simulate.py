@@ -66,3 +66,20 @@ def test_dram_buffer_from_the_command_line(capsys: pytest.CaptureFixture[str]) -
     assert main([*TINY, "--dram-buffer-gb", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dram_buffer_bytes" in err[0]
+
+
+def test_read_side_choices_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    small = [*TINY, "--decode-nodes", "2", "--agents", "16", "--mode", "dual-path,dualpath",
+             "--json"]
+    runs = {}
+    for name, flags in (("default", []),
+                        ("explicit", ["--read-tie-side", "pe", "--rr-read-side", "queue"]),
+                        ("other", ["--read-tie-side", "balanced", "--rr-read-side", "random"])):
+        assert main([*small, *flags]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["explicit"] == runs["default"]  # the flags' defaults are the scheduler's
+    assert runs["other"]["dual-path"] != runs["default"]["dual-path"]
+    assert runs["other"]["dual-path"]["num_completed"] == runs["default"]["dual-path"][
+        "num_completed"]
+    with pytest.raises(SystemExit):
+        main([*small, "--rr-read-side", "alternate"])

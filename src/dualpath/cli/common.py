@@ -103,3 +103,30 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
         num_prefill_nodes=args.prefill_nodes,
         num_decode_nodes=args.decode_nodes,
     )
+
+
+
+def add_read_side_args(group: argparse._ArgumentGroup) -> None:
+    """--read-tie-side and --rr-read-side: the two read-side choices the paper leaves open
+    (`SchedulerParams.dual_tie_side`, `SchedulerParams.rr_read_side`); unset, the scheduler's
+    defaults."""
+    from dualpath.sched.params import DEFAULT_RR_READ_SIDE, DEFAULT_TIE_SIDE, RRReadSide, TieSide
+
+    group.add_argument(
+        "--read-tie-side", choices=[k.value for k in TieSide], default=None,
+        help="where the dual-path rule reads when the PE's and the DE's read queues are equal "
+        "(mostly both empty): pe, de, or balanced (the ties split between the sides in "
+        "proportion to their node counts, DE taking D/(P+D), by a deterministic counter); "
+        f"the paper does not say (default: {DEFAULT_TIE_SIDE.value})")
+    group.add_argument(
+        "--rr-read-side", choices=[k.value for k in RRReadSide], default=None,
+        help="how the round-robin modes (dual-path) pick a request's read side: queue (the "
+        "shorter read queue, as dualpath does) or random (PE or DE with probability 1/2, "
+        "ignoring the queues; seeded by --seed); the paper does not say "
+        f"(default: {DEFAULT_RR_READ_SIDE.value})")
+
+
+def read_side_overrides(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The `SchedulerParams` overrides of the `add_read_side_args` options given."""
+    given = (("dual_tie_side", args.read_tie_side), ("rr_read_side", args.rr_read_side))
+    return tuple((name, value) for name, value in given if value is not None)

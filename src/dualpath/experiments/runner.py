@@ -73,6 +73,9 @@ class RunSpec:
     storage: tuple[float, float] | None = None
     """The storage read model as (read_efficiency, per_block_overhead_s); None: the hardware's
     calibrated record (`dualpath.core.storage`)."""
+    scheduler_overrides: tuple[tuple[str, str], ...] = ()
+    """`SchedulerParams` fields by name over the derived defaults (`SimConfig.scheduler_overrides`),
+    e.g. `(("dual_tie_side", "balanced"),)`."""
 
     def __post_init__(self) -> None:
         mal_tokens(self.mal)
@@ -105,6 +108,7 @@ class RunSpec:
         if self.storage is not None:
             extra.append(f"storage {self.storage[0]:g}/{self.storage[1]:g}")
         extra += [f"{k} {v:g}" for k, v in self.cost_overrides]
+        extra += [f"{k} {v}" for k, v in self.scheduler_overrides]
         return " ".join([f"{self.setup}{pd} {self.mode} {load} {self.mal}", *extra])
 
     def config(self) -> SimConfig:
@@ -130,7 +134,8 @@ class RunSpec:
             cluster, _workload(self.mal, self.num_agents, self.append_factor, self.gen_factor,
                                self.seed, params.block_size_tokens),
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
-            cost_overrides=self.cost_overrides, params=params, **extra,
+            cost_overrides=self.cost_overrides, params=params,
+            scheduler_overrides=self.scheduler_overrides, **extra,
         )
 
 

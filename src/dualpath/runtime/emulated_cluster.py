@@ -124,6 +124,7 @@ class Cluster:
             engines_per_node=cfg.engines_per_node,
             is_round_robin=cfg.switches.is_round_robin,
             forced_read_side="de" if cfg.path_mode == "de" else None,
+            seed=cfg.seed,
         )
         sched_args = (sched_cfg, self._sched_q, self._inboxes, self._driver_q)
         if is_process:

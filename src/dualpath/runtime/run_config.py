@@ -20,8 +20,13 @@ from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.model.model_source import ModelSource
 from dualpath.runtime.node_context import check_budgets
 from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
-from dualpath.sched.params import PathMode, SchedulerParams, alpha_tokens_of
-from dualpath.sched.types import ReadSide
+from dualpath.sched.params import (
+    PathMode,
+    RRReadSide,
+    SchedulerParams,
+    TieSide,
+    alpha_tokens_of,
+)
 
 MODES = tuple(MODE_PRESETS)
 LAUNCHES = ("process", "thread")
@@ -60,8 +65,13 @@ class RunConfig:
     beta_tokens: float = 1e9
     """Default: no engine is ever "overloaded" (the runtime's engines queue work themselves)."""
     fetch_interval_s: float = 0.005
-    read_tie_side: str = "pe"
-    """Where the dual-path rule reads when both read queues are equal (sched default: PE)."""
+    read_tie_side: str | None = None
+    """Where the dual-path rule reads when both read queues are equal: pe, de, or balanced
+    (`SchedulerParams.dual_tie_side`); None: the scheduler's default (pe)."""
+    rr_read_side: str | None = None
+    """How the round-robin modes pick the read side: queue (the shorter read queue) or random
+    (a coin seeded with `seed`; `SchedulerParams.rr_read_side`); None: the scheduler's default
+    (queue)."""
     is_cache_enabled: bool = True
     """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
     compute_quota_s: float = 0.3
@@ -80,8 +90,10 @@ class RunConfig:
             raise SpecError(owner, "mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.launch not in LAUNCHES:
             raise SpecError(owner, "launch", self.launch, f"must be one of {', '.join(LAUNCHES)}")
-        if self.read_tie_side not in ("pe", "de"):
-            raise SpecError(owner, "read_tie_side", self.read_tie_side, "must be pe or de")
+        for name, kind in (("read_tie_side", TieSide), ("rr_read_side", RRReadSide)):
+            if getattr(self, name) not in {None, *(k.value for k in kind)}:
+                raise SpecError(owner, name, getattr(self, name),
+                                f"must be one of {', '.join(k.value for k in kind)}")
         if self.path_mode not in (None, "pe", "dual", "split", "de"):
             raise SpecError(owner, "path_mode", self.path_mode, "must be pe, dual, split or de")
         for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node", "block_size"):
@@ -135,5 +147,6 @@ def scheduler_params(cfg: RunConfig, layout: KVLayout) -> SchedulerParams:
         kv_bytes_per_token=layout.kv_bytes_per_token,
         block_size_tokens=cfg.block_size,
         path_mode=PathMode.PE if mode in ("pe", "de") else PathMode(mode),
-        dual_tie_side=ReadSide(cfg.read_tie_side),
-    )
+    ).with_overrides(**{name: value for name, value in (
+        ("dual_tie_side", cfg.read_tie_side), ("rr_read_side", cfg.rr_read_side))
+        if value is not None})

@@ -66,6 +66,8 @@ class SchedulerConfig:
     """Basic's "w/o scheduling": round robin over engines and DE groups."""
     forced_read_side: str | None = None
     """"de": read every hit on the DE side whatever the policy says (tests of the DE path)."""
+    seed: int = 0
+    """Seed of the scheduler's read-side coin (`SchedulerParams.rr_read_side` `random`)."""
 
     def __post_init__(self) -> None:
         positive_int("scheduler", "num_prefill_nodes", self.num_prefill_nodes)
@@ -105,7 +107,9 @@ class RuntimeScheduler:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.sched = Scheduler(cfg.params, cfg.num_decode_nodes, is_round_robin=cfg.is_round_robin)
+        self.sched = Scheduler(cfg.params, cfg.num_decode_nodes, is_round_robin=cfg.is_round_robin,
+                               read_nodes=(cfg.num_prefill_nodes, cfg.num_decode_nodes),
+                               seed=cfg.seed)
         self._submitted: dict[int, Submitted] = {}
         self._bound: dict[int, _Binding] = {}
         self._undelivered: dict[int, list[int]] = defaultdict(list)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dualpath.core.errors import SpecError
 from dualpath.sched.params import SchedulerParams
-from dualpath.sched.path import plan_pair_read
+from dualpath.sched.path import ReadSideChooser, plan_pair_read
 from dualpath.sched.snapshot import check_reports, read_queues_by_node
 from dualpath.sched.types import (
     DEAssignment,
@@ -137,6 +137,7 @@ def de_group_fetch(
     pe_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
     is_validated: bool = False,
+    sides: ReadSideChooser | None = None,
 ) -> DEFetch:
     """Phase 2 for one DE group fetch over its private FIFO queue (head first).
 
@@ -202,7 +203,7 @@ def de_group_fetch(
         else:
             bisect.insort(high, (tok[chosen], engine_ids[chosen], chosen))
         rep = reports[chosen]
-        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)
+        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q, sides)
         assignments.append(DEAssignment(r.request_id, rep.engine_id, rep.node_id, need, plan))
     return DEFetch(tuple(assignments), z, num_r, read_q)
 
@@ -214,11 +215,12 @@ def _plan_de(
     pe_node_of: Mapping[int, int] | None,
     decide_q: dict[int, int],
     read_q: dict[int, int],
+    sides: ReadSideChooser | None,
 ) -> ReadPlan | None:
     if pe_node_of is None or r.request_id not in pe_node_of:
         return None
     pe_node = pe_node_of[r.request_id]
-    return plan_pair_read(params, r.hit_tokens, pe_node, de_node, decide_q, read_q)
+    return plan_pair_read(params, r.hit_tokens, pe_node, de_node, decide_q, read_q, sides)
 
 
 def de_group_fetch_round_robin(
@@ -230,6 +232,7 @@ def de_group_fetch_round_robin(
     pe_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
     is_validated: bool = False,
+    sides: ReadSideChooser | None = None,
 ) -> tuple[DEFetch, int]:
     """Baseline phase 2: the head goes to the next engine in report order from `start` that
     has enough HBM (ignoring seq, tok and Z); the fetch ends when none has. Returns the fetch
@@ -256,6 +259,6 @@ def de_group_fetch_round_robin(
         seq[i] += 1
         pos = (i + 1) % n
         rep = reports[i]
-        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q)
+        plan = _plan_de(params, r, rep.node_id, pe_node_of, decide_q, read_q, sides)
         assignments.append(DEAssignment(r.request_id, rep.engine_id, rep.node_id, need, plan))
     return DEFetch(tuple(assignments), 0.0, 0, read_q), pos

@@ -31,7 +31,20 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
   token the turn will generate, so an admitted request never needs preemption.
 - `r_set_stops_at_first_misfit` (how R is traversed): `True`; R is the FIFO prefix that fits
   the group's total free HBM, matching the FIFO head-only placement loop after it.
-- `dual_tie_side`: on equal read queues read on the PE side (no extra compute-NIC hop).
+- `dual_tie_side` (where the `dual` rule reads when the PE's and the DE's read queues are equal;
+  most such ties are two empty queues): `PE` (no extra compute-NIC hop). `DE` sends every tie to
+  the decode side; `BALANCED` splits the ties between the sides in proportion to their nodes (the
+  DE side takes D/(P+D) of them, P and D the prefill and decode nodes), by a deterministic counter
+  the stateful `Scheduler` keeps (`path.ReadSideChooser`), so that reads that find both queues
+  empty spread over the machines as evenly as the round-robin engine choice spreads requests.
+- `rr_read_side` (how the round-robin family, the ablation's "w/o scheduling" steps, picks the
+  read side in `dual` mode; the paper puts the path choice in the inter-engine scheduler of its
+  "+scheduling" step, §6.1, and does not say how its "+dual-path loading" step picks one):
+  `QUEUE`, the same shorter-read-queue rule as `dualpath`. `RANDOM` ignores the queues: PE or DE
+  with probability 1/2 each, from a seeded generator the `Scheduler` owns (its `seed`; the
+  simulator passes the run's seed), so a run is deterministic in its seed. Not a strict
+  alternation: PE, DE, PE, ... falls into step with the round-robin engine cursors, and one
+  machine of a side then takes most of that side's reads.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ from dualpath.core.model import ModelSpec
 from dualpath.core.pickling import pickle_by_fields
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.sched.cost import CostCoefficients, coefficients_for, prefill_tokens_per_s
-from dualpath.sched.types import ReadSide, WaitingRequest
+from dualpath.sched.types import WaitingRequest
 
 
 class TokCharge(str, Enum):
@@ -83,6 +96,25 @@ class AssignmentOrder(str, Enum):
     PE_FIRST = "pe-first"
 
 
+class TieSide(str, Enum):
+    """Where the `dual` read-path rule reads when both read queues are equal ([INF])."""
+
+    PE = "pe"
+    """default: the prefill node's storage NIC."""
+    DE = "de"
+    BALANCED = "balanced"
+    """PE or DE in proportion to the sides' node counts, by a deterministic counter."""
+
+
+class RRReadSide(str, Enum):
+    """How the round-robin scheduler family picks a request's read side in `dual` mode ([INF])."""
+
+    QUEUE = "queue"
+    """default: the shorter read queue (ties: `dual_tie_side`), as the dualpath scheduler."""
+    RANDOM = "random"
+    """PE or DE with probability 1/2 each (a seeded generator), ignoring the queues."""
+
+
 class PathMode(str, Enum):
     """Read-path policy: PE side only (Basic), the shorter queue (paper), or split (ours)."""
 
@@ -90,6 +122,11 @@ class PathMode(str, Enum):
     DUAL = "dual"
     SPLIT = "split"
 
+
+DEFAULT_TIE_SIDE = TieSide.PE
+"""`SchedulerParams.dual_tie_side`'s default (every world's, and the CLIs')."""
+DEFAULT_RR_READ_SIDE = RRReadSide.QUEUE
+"""`SchedulerParams.rr_read_side`'s default."""
 
 # Paper A.4 constants.
 ALPHA_READ_S = 3.0
@@ -124,7 +161,8 @@ class SchedulerParams:
     update_read_q_within_fetch: bool = True
     assignment_order: AssignmentOrder = AssignmentOrder.DE_FIRST
     r_set_stops_at_first_misfit: bool = True
-    dual_tie_side: ReadSide = ReadSide.PE
+    dual_tie_side: TieSide = DEFAULT_TIE_SIDE
+    rr_read_side: RRReadSide = DEFAULT_RR_READ_SIDE
     max_seqs_per_decode_engine: int = 0
     """Most sequences one decode engine holds at once (serving systems' "max running
     requests"); 0: no cap, HBM alone limits. Not in the paper."""
@@ -141,7 +179,7 @@ class SchedulerParams:
         for name, kind in (
             ("path_mode", PathMode), ("pe_tok_charge", TokCharge), ("de_tok_charge", TokCharge),
             ("hbm_need", HbmNeed), ("assignment_order", AssignmentOrder),
-            ("dual_tie_side", ReadSide),
+            ("dual_tie_side", TieSide), ("rr_read_side", RRReadSide),
         ):
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -203,7 +241,8 @@ def derive_beta_tokens(
 
 _ENUMS: dict[str, type[Enum]] = {
     "path_mode": PathMode, "pe_tok_charge": TokCharge, "de_tok_charge": TokCharge,
-    "hbm_need": HbmNeed, "assignment_order": AssignmentOrder, "dual_tie_side": ReadSide,
+    "hbm_need": HbmNeed, "assignment_order": AssignmentOrder, "dual_tie_side": TieSide,
+    "rr_read_side": RRReadSide,
 }
 _BOOLS = ("update_read_q_within_fetch", "r_set_stops_at_first_misfit")
 

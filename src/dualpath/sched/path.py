@@ -3,7 +3,10 @@
 Modes (`PathMode`):
 - `pe`: every hit block is read by the PE node's storage NIC (Basic, the PE-only baseline).
 - `dual`: the paper's rule: the whole read goes to the side whose node has the shorter read
-  queue (ties: `SchedulerParams.dual_tie_side`).
+  queue (ties: `SchedulerParams.dual_tie_side`). Two choices that need memory across requests
+  are a `ReadSideChooser`'s, which the stateful `Scheduler` owns: the `balanced` tie rule (ties
+  split between the sides in proportion to their node counts) and the round-robin family's
+  queue-blind coin (`SchedulerParams.rr_read_side`).
 - `split` (ours, the paper's future work): the hit blocks are split so both queues are expected
   to drain at the same time. With read queues `q_p`, `q_d` (tokens), storage-NIC rates `r_p`,
   `r_d` and `h` hit tokens, the PE side takes `x` tokens with
@@ -17,10 +20,11 @@ chosen sides' `read_q` grow by exactly the tokens they read.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, MutableMapping
 
 from dualpath.core.errors import SpecError
-from dualpath.sched.params import PathMode, SchedulerParams
+from dualpath.sched.params import PathMode, RRReadSide, SchedulerParams, TieSide
 from dualpath.sched.types import ReadPlan, ReadSide
 
 
@@ -94,6 +98,66 @@ def apply_read_plan(plan: ReadPlan, read_q_tokens_by_node: MutableMapping[int, i
         )
 
 
+class ReadSideChooser:
+    """The side a `dual`-mode read goes to, with the state two of the choices need.
+
+    - Queue rule (default, both scheduler families): the side whose node's read queue is shorter;
+      on a tie `SchedulerParams.dual_tie_side`: `pe`, `de`, or `balanced`, where a Bresenham
+      counter sends the n-th tie to DE exactly when `floor(n * D / (P + D))` grows, so after any
+      n ties the DE side has taken `floor(n * D / (P + D))` of them (P, D: `num_pe_nodes`,
+      `num_de_nodes`, the nodes whose storage NICs read on each side). No randomness.
+    - Queue-blind (`is_queue_blind`: the round-robin family with `rr_read_side` `random`): PE or
+      DE with probability 1/2 each from a `random.Random(seed)`, one draw per read with hits.
+    """
+
+    def __init__(self, params: SchedulerParams, is_round_robin: bool = False,
+                 num_pe_nodes: int = 1, num_de_nodes: int = 1, seed: int = 0) -> None:
+        if num_pe_nodes < 1 or num_de_nodes < 1:
+            raise SpecError("read_side", "nodes", (num_pe_nodes, num_de_nodes),
+                            "needs at least one node on each side")
+        self.tie_side = params.dual_tie_side
+        self.is_queue_blind = is_round_robin and params.rr_read_side is RRReadSide.RANDOM
+        self.num_pe_nodes = num_pe_nodes
+        self.num_de_nodes = num_de_nodes
+        self.num_ties = 0
+        """Ties decided so far (queue rule)."""
+        self.num_ties_de = 0
+        """Of them, sent to the DE side."""
+        self._acc = 0
+        self._rng = random.Random(seed)
+
+    def side(self, pe_read_q_tokens: int, de_read_q_tokens: int) -> ReadSide:
+        """The side of the next `dual`-mode read with hits (advances the tie counter or the
+        generator)."""
+        if self.is_queue_blind:
+            return ReadSide.DE if self._rng.getrandbits(1) else ReadSide.PE
+        if pe_read_q_tokens != de_read_q_tokens:
+            return ReadSide.PE if pe_read_q_tokens < de_read_q_tokens else ReadSide.DE
+        self.num_ties += 1
+        rule = self.tie_side
+        if rule is TieSide.PE:
+            return ReadSide.PE
+        if rule is TieSide.DE:
+            self.num_ties_de += 1
+            return ReadSide.DE
+        self._acc += self.num_de_nodes
+        total = self.num_pe_nodes + self.num_de_nodes
+        if self._acc >= total:
+            self._acc -= total
+            self.num_ties_de += 1
+            return ReadSide.DE
+        return ReadSide.PE
+
+
+def fixed_tie_side(params: SchedulerParams) -> ReadSide:
+    """The tie side of a stateless decision: `dual_tie_side` `pe` or `de` (`balanced` needs a
+    `ReadSideChooser`)."""
+    if params.dual_tie_side is TieSide.BALANCED:
+        raise SpecError("read_side", "dual_tie_side", "balanced",
+                        "needs the Scheduler's ReadSideChooser (a counter across requests)")
+    return ReadSide.PE if params.dual_tie_side is TieSide.PE else ReadSide.DE
+
+
 def plan_pair_read(
     params: SchedulerParams,
     hit_tokens: int,
@@ -101,11 +165,22 @@ def plan_pair_read(
     de_node: int,
     decide_q: Mapping[int, int],
     read_q: MutableMapping[int, int],
+    sides: ReadSideChooser | None = None,
 ) -> ReadPlan:
     """Plan the read of a request whose PE and DE nodes are both known: decide on `decide_q`
-    (the live queues, or a fetch-start snapshot) and add the read to `read_q`."""
-    plan = plan_read(params.path_mode, hit_tokens, pe_node, de_node,
-                     decide_q.get(pe_node, 0), decide_q.get(de_node, 0),
-                     params.block_size_tokens, tie_side=params.dual_tie_side)
+    (the live queues, or a fetch-start snapshot) and add the read to `read_q`. In `dual` mode
+    with `sides` (the `Scheduler`'s), the side is `sides.side(...)`; without it, the queue rule
+    with a fixed tie side (`fixed_tie_side`; the round-robin coin is then not used)."""
+    qp, qd = decide_q.get(pe_node, 0), decide_q.get(de_node, 0)
+    if sides is not None and params.path_mode is PathMode.DUAL and hit_tokens > 0:
+        # Decided here, then planned as a tie to that side: the same plan `plan_read` makes.
+        side = sides.side(qp, qd)
+        plan = plan_read(PathMode.DUAL, hit_tokens, pe_node, de_node, 0, 0,
+                         params.block_size_tokens, tie_side=side)
+    else:
+        is_tie_used = params.path_mode is PathMode.DUAL and hit_tokens > 0
+        tie = fixed_tie_side(params) if is_tie_used else ReadSide.PE
+        plan = plan_read(params.path_mode, hit_tokens, pe_node, de_node, qp, qd,
+                         params.block_size_tokens, tie_side=tie)
     apply_read_plan(plan, read_q)
     return plan

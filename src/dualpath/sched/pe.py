@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from dualpath.sched.params import SchedulerParams
-from dualpath.sched.path import plan_pair_read
+from dualpath.sched.path import ReadSideChooser, plan_pair_read
 from dualpath.sched.snapshot import check_reports, read_queues_by_node
 from dualpath.sched.types import EngineReport, PEAssignment, PEFetch, ReadPlan, Role, WaitingRequest
 
@@ -30,14 +30,15 @@ def _plan(
     de_node_of: Mapping[int, int] | None,
     decide_q: dict[int, int],
     read_q: dict[int, int],
+    sides: ReadSideChooser | None,
 ) -> ReadPlan | None:
     """The read plan of `r` if its DE is known, added to `read_q`. Decisions look at
     `decide_q`, which is `read_q` itself when reads update the queues within a fetch and the
-    fetch-start snapshot otherwise."""
+    fetch-start snapshot otherwise; `sides` is the scheduler's read-side state (`path`)."""
     if de_node_of is None or r.request_id not in de_node_of:
         return None
     de_node = de_node_of[r.request_id]
-    return plan_pair_read(params, r.hit_tokens, pe_node, de_node, decide_q, read_q)
+    return plan_pair_read(params, r.hit_tokens, pe_node, de_node, decide_q, read_q, sides)
 
 
 def pe_fetch(
@@ -48,6 +49,7 @@ def pe_fetch(
     de_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
     is_validated: bool = False,
+    sides: ReadSideChooser | None = None,
 ) -> PEFetch:
     """Algorithm 1 for one PE group fetch over the global FIFO `queue` (head first).
 
@@ -63,6 +65,8 @@ def pe_fetch(
 
     `is_validated=True` skips `check_reports`: only for a caller that builds its reports from
     its own consistent state (the simulator); the decision is the same on valid reports.
+    `sides`: the scheduler's read-side state (`path.ReadSideChooser`; None: the queue rule with
+    a fixed tie side).
     """
     if not is_validated:
         check_reports(reports, Role.PREFILL)
@@ -109,7 +113,7 @@ def pe_fetch(
         heapq.heappop(h)
         node = node_ids[i]
         tok[i] += charge.tokens(r)
-        plan = _plan(params, r, node, de_node_of, decide_q, read_q)
+        plan = _plan(params, r, node, de_node_of, decide_q, read_q, sides)
         if tok[i] <= beta:
             heapq.heappush(h, (tok[i], engine_ids[i], i))
         if short[node] and decide_q[node] > alpha:
@@ -130,6 +134,7 @@ def pe_fetch_round_robin(
     de_node_of: Mapping[int, int] | None = None,
     read_q_tokens_by_node: Mapping[int, int] | None = None,
     is_validated: bool = False,
+    sides: ReadSideChooser | None = None,
 ) -> tuple[PEFetch, int]:
     """The "w/o scheduling" baseline: the FIFO head goes to the next engine in report order
     from position `start`, ignoring `tok` and `read_q`; returns the fetch and the next start.
@@ -155,6 +160,6 @@ def pe_fetch_round_robin(
         tok[i] += params.pe_tok_charge.tokens(r)
         pos = (i + 1) % n
         rep = reports[i]
-        plan = _plan(params, r, rep.node_id, de_node_of, decide_q, read_q)
+        plan = _plan(params, r, rep.node_id, de_node_of, decide_q, read_q, sides)
         assignments.append(PEAssignment(r.request_id, rep.engine_id, rep.node_id, plan))
     return PEFetch(tuple(assignments), read_q), pos

@@ -39,6 +39,7 @@ from enum import Enum
 from dualpath.core.errors import SpecError
 from dualpath.sched import de, pe
 from dualpath.sched.params import AssignmentOrder, SchedulerParams
+from dualpath.sched.path import ReadSideChooser
 from dualpath.sched.types import DEFetch, EngineReport, GroupAssignment, PEFetch, WaitingRequest
 
 
@@ -68,7 +69,9 @@ class Cancelled:
 
 class Scheduler:
     """Global DE queue, DE private queues and their charges, PE queue, round-robin cursors,
-    policy family (`dualpath` or round robin), path mode and assignment order (`params`).
+    policy family (`dualpath` or round robin), path mode and assignment order (`params`), and
+    the read-side state (`sides`: the `balanced` tie counter and the round-robin coin, which
+    take `read_nodes`, the (prefill, decode) nodes whose storage NICs read, and `seed`).
 
     Invariant, kept by every method: each submitted request that no fetch has yet bound to
     both its engines is in exactly one queue (global, one private, PE); `private_tokens[g]` is
@@ -77,10 +80,13 @@ class Scheduler:
     """
 
     def __init__(self, params: SchedulerParams, num_de_groups: int,
-                 is_round_robin: bool = False) -> None:
+                 is_round_robin: bool = False, *, read_nodes: tuple[int, int] = (1, 1),
+                 seed: int = 0) -> None:
         if num_de_groups < 1:
             raise SpecError("scheduler", "num_de_groups", num_de_groups, "must be >= 1")
         self.params = params
+        self.sides = ReadSideChooser(params, is_round_robin, read_nodes[0], read_nodes[1], seed)
+        """How `dual`-mode reads pick their side (`path.ReadSideChooser`)."""
         self.is_round_robin = is_round_robin
         self.is_de_first = params.assignment_order is AssignmentOrder.DE_FIRST
         self.num_de_groups = num_de_groups
@@ -186,11 +192,13 @@ class Scheduler:
         if self.is_round_robin:
             fetch, self._rr_de[group] = de.de_group_fetch_round_robin(
                 queue, reports, self.params, self._rr_de[group], pe_node_of=pe_node_of,
-                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated)
+                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated,
+                sides=self.sides)
         else:
             fetch = de.de_group_fetch(
                 queue, reports, self.params, pe_node_of=pe_node_of,
-                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated)
+                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated,
+                sides=self.sides)
         charge = self.params.de_tok_charge
         for a in fetch.assignments:
             r = queue.popleft()
@@ -216,11 +224,13 @@ class Scheduler:
         if self.is_round_robin:
             fetch, self._rr_pe[group] = pe.pe_fetch_round_robin(
                 queue, reports, self.params, self._rr_pe.get(group, 0), de_node_of=de_node_of,
-                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated)
+                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated,
+                sides=self.sides)
         else:
             fetch = pe.pe_fetch(
                 queue, reports, self.params, de_node_of=de_node_of,
-                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated)
+                read_q_tokens_by_node=read_q_tokens_by_node, is_validated=is_validated,
+                sides=self.sides)
         for a in fetch.assignments:
             r = queue.popleft()
             if self.is_de_first:

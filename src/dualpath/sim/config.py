@@ -198,7 +198,11 @@ class SimConfig:
     """Policy constants (alpha, beta, Z, compute quota, [INF] choices); None derives the paper's
     defaults for this model and hardware (`derive_scheduler_params`). The read-path mode and
     block size always come from `mode` and `params`."""
+    scheduler_overrides: tuple[tuple[str, str], ...] = ()
+    """`SchedulerParams` fields by name and value, over `scheduler` (or the derived defaults),
+    e.g. `(("dual_tie_side", "balanced"), ("rr_read_side", "random"))`."""
     seed: int = 0
+    """Online arrivals' and the scheduler's read-side coin's (`rr_read_side` `random`) seed."""
     cost_overrides: tuple[tuple[str, float], ...] = ()
     """Cost-model coefficient overrides by name (see `dualpath.sched.cost`)."""
     step_costs: ProfiledCosts | None = None

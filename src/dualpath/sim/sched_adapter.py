@@ -33,12 +33,15 @@ class Policy:
         cl = config.cluster
         base = config.scheduler or derive_scheduler_params(cl.model, cl.hardware, coeffs)
         self.params: SchedulerParams = base.with_overrides(
+            **dict(config.scheduler_overrides),
             path_mode=PathMode(config.mode.paths),
             block_size_tokens=config.params.block_size_tokens,
         )
         self.is_dualpath = not config.mode.is_round_robin
         self.sched = Scheduler(self.params, num_de_groups,
-                               is_round_robin=config.mode.is_round_robin)
+                               is_round_robin=config.mode.is_round_robin,
+                               read_nodes=(cl.num_prefill_nodes, cl.num_decode_nodes),
+                               seed=config.seed)
         self.max_batch_tokens = config.params.max_batch_tokens
         self.kv_bpt = cl.model.kv_bytes_per_token
         self.estimator: AttentionTimeEstimator = (

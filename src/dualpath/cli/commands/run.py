@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dualpath.cli.common import add_read_side_args
 from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.hardware import HARDWARE_PRESETS, hardware_preset
 from dualpath.core.units import MiB, fmt_bytes
@@ -156,12 +157,7 @@ def add_cluster_arguments(
         "if installed); NIXL's UCX progress threads poll a core each, which on a 2-core "
         "machine slows every mode down",
     )
-    g.add_argument(
-        "--read-tie-side",
-        choices=("pe", "de"),
-        default="pe",
-        help="where the dual-path rule reads when both read queues are equal (default: pe)",
-    )
+    add_read_side_args(g)
     g.add_argument(
         "--compute-quota-ms",
         type=float,
@@ -257,6 +253,7 @@ def _config(args: argparse.Namespace, mode: str, store: str) -> Any:
         temperature=args.temperature,
         seed=args.seed,
         read_tie_side=args.read_tie_side,
+        rr_read_side=args.rr_read_side,
         compute_quota_s=args.compute_quota_ms / 1000.0,
         max_batch_tokens=args.max_batch_tokens,
         estimator=args.estimator,

@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from dualpath import IMPLEMENTATION
-from dualpath.cli.common import add_cluster_args, cluster_from_args
+from dualpath.cli.common import (
+    add_cluster_args,
+    add_read_side_args,
+    cluster_from_args,
+    read_side_overrides,
+)
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
 from dualpath.experiments.ray_backend import RAY_HELP, join
@@ -109,6 +114,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                    help=RAY_HELP.replace("every independent simulation", "each mode"))
+    add_read_side_args(s)
     p.set_defaults(func=run)
 
 
@@ -268,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         base = replace(base, params=replace(
             sp, pe_reads=ReadDiscipline.parse(args.pe_reads) if args.pe_reads else sp.pe_reads,
             de_reads=ReadDiscipline.parse(args.de_reads) if args.de_reads else sp.de_reads))
+    base = replace(base, scheduler_overrides=read_side_overrides(args))
     configs = {name: replace(base, mode=mode_preset(name)) for name in modes}
     remote = (_on_ray(args.ray, configs, not args.no_progress and not args.json)
               if args.ray else {})

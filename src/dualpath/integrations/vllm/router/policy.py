@@ -175,7 +175,8 @@ class RoutePolicy:
         self.params = params
         self.num_prefill = num_prefill
         self.num_decode = num_decode
-        self.sched = Scheduler(params, num_decode, is_round_robin=is_round_robin)
+        self.sched = Scheduler(params, num_decode, is_round_robin=is_round_robin,
+                               read_nodes=(num_prefill, num_decode))
         self.decode_kv_capacity_bytes = decode_kv_capacity_bytes
         """Overrides every decode instance's reported KV capacity (`--decode-kv-gib`)."""
         self.metrics: dict[tuple[str, int], InstanceMetrics] = {}
