@@ -52,6 +52,29 @@ def test_prefill_splits_the_hit_between_the_store_and_the_decode_side(tmp_path: 
     assert RouteParams.from_params(done) == route(3, 1, tokens=len(TOKENS))
 
 
+@pytest.mark.parametrize("async_loads", [False, True])
+def test_prefill_pushes_the_blocks_its_own_prefix_cache_had(
+        tmp_path: Path, async_loads: bool) -> None:
+    """vLLM's prefix cache on the prefill instance holds blocks 0..1; the router read the
+    whole hit on the DE side (pe=0). The decode instance stages only what the prefill asks
+    for, blocks 2..3, so blocks 0..1 are pushed (they were left out once, and the decode
+    instance then recomputed the whole prompt)."""
+    p, _ = planner(tmp_path, "prefill", async_loads=async_loads)
+    p.add_request("r", TOKENS, route(hit=4, pe=0))
+    assert p.match("r", 2 * BS) == 2 * BS
+    ids = [10, 11, 12, 13, 14]
+    p.after_alloc("r", 2 * BS, ids)
+    if async_loads:
+        (de_load,) = p.take_plan().async_remote_loads
+    p.schedule_new("r", ids, 4 * BS, len(TOKENS) - 4 * BS)
+    plan = p.take_plan()
+    if not async_loads:
+        (de_load,) = plan.remote_loads
+    assert (de_load.blocks.first_block, de_load.blocks.block_ids) == (2, (12, 13))
+    (push,) = plan.pushes
+    assert push.block_indices == (0, 1, 4) and push.hit_blocks == 4
+
+
 def test_prefill_background_loads_are_planned_at_allocation(tmp_path: Path) -> None:
     p, _ = planner(tmp_path, "prefill", async_loads=True)
     p.add_request("r", TOKENS, route(hit=3, pe=1))

@@ -155,8 +155,9 @@ class Push:
     block_ids: tuple[int, ...]
     """vLLM block ids of all the prompt's blocks."""
     hit_blocks: int
-    """Blocks `[pe_blocks, hit_blocks)` are the DE side's own; the worker adds those after a
-    DE-side load failure (the decode instance then lacks them too)."""
+    """The end of the blocks the decode instance staged itself (its DE-side load, those of
+    `[0, hit_blocks)` not in `block_indices`); the worker adds them from a failed load's
+    first block on (the decode instance then lacks them too)."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,10 @@ class _Request:
     """Prefill: vLLM block id -> (block index, read side "pe" / "de") of each planned load."""
     first_failed: int | None = None
     """Prefill: the first block index whose load failed (vLLM recomputes from there on)."""
+    staged: tuple[int, int] = (0, 0)
+    """Prefill: blocks `[a, b)` the decode instance stages for this request (its DE-side
+    load), the only ones the push leaves out: blocks vLLM's own prefix cache had here (below
+    the load's first) were never staged there."""
 
 
 @dataclass(frozen=True)
@@ -433,6 +438,7 @@ class Planner:
             self._plan.async_loads.append(self._note(req, self._transfer(req_id, req, first,
                                                                          split), "pe"))
         if stop > split:
+            req.staged = (split, stop)
             self._plan.async_remote_loads.append(RemoteLoad(
                 route.xfer, route.de, self._note(req, self._transfer(req_id, req, split, stop),
                                                  "de")))
@@ -484,6 +490,7 @@ class Planner:
                         req, self._transfer(req_id, req, first, split), "pe"))
                 if stop > split:
                     assert route is not None
+                    req.staged = (split, stop)
                     self._plan.remote_loads.append(RemoteLoad(
                         route.xfer, route.de, self._note(
                             req, self._transfer(req_id, req, split, stop), "de")))
@@ -495,12 +502,11 @@ class Planner:
                 req.pushed = False
             if not req.pushed and end >= req.num_prompt_tokens:
                 total = -(-req.num_prompt_tokens // bs)
-                pe, hit = self._route(route)
-                own = range(min(pe, total), min(hit, total))
+                own = range(min(req.staged[0], total), min(req.staged[1], total))
                 indices = tuple(i for i in range(total) if i not in own)
                 self._plan.pushes.append(Push(
                     route.xfer, route.de, req_id, indices, tuple(req.block_ids[:total]),
-                    min(hit, total)))
+                    own.stop))
                 req.pushed = True
             return
         # Blocks whose every token's KV exists after this step (and whose tokens are known),
