@@ -118,7 +118,10 @@ vllm-test: $(STAMP) $(VLLM_STAMP)
 # lives in its own venv), so a change to either side of the (experimental) connector API shows
 # in `make test`; about 2.5 minutes here.
 vllm-typecheck: $(STAMP) $(VLLM_STAMP)
+	@# A cache of its own: the default one holds .venv's packages, and vllm's venv has other
+	@# versions of some (safetensors, torch); sharing it broke the next `make typecheck`.
 	$(VENV)/bin/mypy --python-executable $(VLLM_PY) --follow-imports=silent \
+	  --cache-dir .mypy_cache/vllm-venv \
 	  src/dualpath/integrations/vllm/connector/dualpath_connector.py \
 	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
 	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py
