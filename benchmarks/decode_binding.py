@@ -131,32 +131,36 @@ def occupancy(result: SimResult, cap: int, kv_room_bytes: float, kv_bpt: float,
     }
 
 
-def overrides(base: CostCoefficients, k: float, cap: int,
-              prefill_k: float = 1.0) -> tuple[tuple[str, float], ...]:
+def overrides(base: CostCoefficients, k: float, cap: int, prefill_k: float = 1.0,
+              attention_k: float = 1.0) -> tuple[tuple[str, float], ...]:
     """Cost overrides: every GPU time x `k` (`calibrate.scaled_overrides`), the sequence cap,
-    and prefill's compute (attention and linear efficiencies) a further `prefill_k` slower;
-    decode steps stay memory bound, so `prefill_k` leaves them alone."""
+    prefill's compute (attention and linear efficiencies) a further `prefill_k` slower, and
+    attention (scores and DSA indexer) a further `attention_k` slower; decode steps stay
+    memory bound, so these leave them (almost) alone."""
     ov = dict(scaled_overrides(base, k, None, cap) if k != 1.0
               else (("max_seqs_per_decode_engine", cap),))
-    if prefill_k != 1.0:
-        for name in ("attention_efficiency", "linear_efficiency"):
-            ov[name] = min(1.0, float(ov.get(name, getattr(base, name))) / prefill_k)
+    for name, slow in (("attention_efficiency", prefill_k * attention_k),
+                       ("linear_efficiency", prefill_k)):
+        if slow != 1.0:
+            ov[name] = min(1.0, float(ov.get(name, getattr(base, name))) / slow)
     return tuple(ov.items())
 
 
 def objective(setup_name: str, scales: list[float], caps: list[str], gens: list[float],
-              csv_path: Path | None, prefill_scales: list[float]) -> None:
+              csv_path: Path | None, prefill_scales: list[float],
+              attention_scales: list[float]) -> None:
     """The calibration objective and the generation trend at each (k, cap, prefill k); see
     module doc."""
     base = costmod.load_cost_coefficients(setup(setup_name).model, HARDWARE)
     fit = CALIBRATION_CELLS[setup_name]
-    cols = ["k", "prefill_k", "cap", "rms_fit", "rms_48k",
+    cols = ["k", "prefill_k", "attention_k", "cap", "rms_fit", "rms_48k",
             *(f"{a}@{m}" for a, m in (*fit, *HOLDOUT_CELLS)), *(f"gen{g:g}" for g in gens)]
     print(" | ".join(cols))
     rows = []
-    for k, cap_s, pk in ((k, c, p) for k in scales for c in caps for p in prefill_scales):
+    for k, cap_s, pk, ak in ((k, c, p, a) for k in scales for c in caps
+                             for p in prefill_scales for a in attention_scales):
         cap = base.max_seqs_per_decode_engine if cap_s == "packaged" else int(cap_s)
-        ov = overrides(base, k, cap, pk)
+        ov = overrides(base, k, cap, pk, ak)
         res: dict[str, float] = {}
         logs: dict[str, list[float]] = {"fit": [], "48k": []}
         for a, m in (*fit, *HOLDOUT_CELLS):
@@ -170,8 +174,8 @@ def objective(setup_name: str, scales: list[float], caps: list[str], gens: list[
             jg = _simulate(RunSpec(setup_name, "oracle", 1024, "64k", gen_factor=g,
                                    cost_overrides=ov))[0].jct_s if g != 1.0 else g1
             res[f"gen{g:g}"] = jg / g1
-        row = {"k": k, "prefill_k": pk, "cap": cap, "rms_fit": rms_of(logs["fit"]),
-               "rms_48k": rms_of(logs["48k"]), **res}
+        row = {"k": k, "prefill_k": pk, "attention_k": ak, "cap": cap,
+               "rms_fit": rms_of(logs["fit"]), "rms_48k": rms_of(logs["48k"]), **res}
         rows.append(row)
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c])
                          for c in cols), flush=True)
@@ -192,6 +196,8 @@ def main() -> int:
                     help="comma-separated GPU-time factors k relative to the packaged values")
     ap.add_argument("--prefill-scales", default="1",
                     help="--objective: comma-separated further slow-downs of prefill compute")
+    ap.add_argument("--attention-scales", default="1",
+                    help="--objective: comma-separated further slow-downs of attention alone")
     ap.add_argument("--agents", type=int, default=1024)
     ap.add_argument("--mal", default="64k")
     ap.add_argument("--setup", default=SETUP)
@@ -202,7 +208,8 @@ def main() -> int:
     if args.objective:
         objective(args.setup, [float(v) for v in args.scales.split(",")],
                   args.caps.split(","), [float(v) for v in args.gens.split(",")], args.csv,
-                  [float(v) for v in args.prefill_scales.split(",")])
+                  [float(v) for v in args.prefill_scales.split(",")],
+                  [float(v) for v in args.attention_scales.split(",")])
         return 0
     s = setup(args.setup)
     base = costmod.load_cost_coefficients(s.model, HARDWARE)
