@@ -64,6 +64,7 @@ from dualpath.core.blocks import block_keys, max_hit_blocks
 from dualpath.core.store import CRC_RELEASE_GIL_BYTES, HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.connector.remote import STAGE_PIECES
 from dualpath.integrations.vllm.manifest import StoreManifest
 from dualpath.integrations.vllm.router.app import STAT_THREADS, parse_vllm_metrics
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
@@ -285,27 +286,38 @@ def save(store: BlockStore, kv: dict[str, torch.Tensor], block_ids: list[int],
 @contextlib.contextmanager
 def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
             keys: list[bytes], block_ids: list[int], stage_threads: int = 16,
-            host_bounce: bool = False) -> Iterator[Callable[[], None]]:
+            host_bounce: bool = False, stage_pieces: int = 0, stage_gbps: float = 0.0
+            ) -> Iterator[Callable[[], None]]:
     """The DE read path in one process: a staging service (side channel, slots, NIXL target;
     `stage_threads` store reads at a time) and the prefill side's `PrefillRemote` over
-    `kv` (`host_bounce`: through its pinned host buffers)."""
+    `kv` (`host_bounce`: through its pinned host buffers); one step's layerwise pull, or
+    (`stage_pieces` > 0) a background load's in that many pipelined pieces
+    (`PrefillRemote.pull_whole`). `stage_gbps` > 0: the decode node's store reads are paced
+    at that rate (an emulated storage NIC, Gb/s)."""
     from dualpath.integrations.vllm.connector.remote import PrefillRemote
     from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
     from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
     from dualpath.transport.nixl import NixlAgent, agent_name
+    from dualpath.transport.pacing import Pacer
     from dualpath.transport.slots import SlotPool
 
     pool = StagingPool(SlotPool(None, worker.full_block_bytes, len(block_ids)))  # per block
     target = NixlAgent(agent_name("bench-decode"), progress_thread=True)
     target.register([(pool.base, pool.num_slots * worker.full_block_bytes)])
+    pacer = Pacer.from_gbps(stage_gbps, "bench-decode-snic") if stage_gbps > 0 else None
     channel = DecodeSideChannel("127.0.0.1:0", pool, store, target.metadata(), target.connect,
-                                read_threads=stage_threads)
-    prefill = PrefillRemote(worker, kv, host_bounce=host_bounce)
+                                pacer=pacer, read_threads=stage_threads)
+    prefill = PrefillRemote(worker, kv, host_bounce=host_bounce,
+                            stage_pieces=max(1, stage_pieces))
 
-    def run() -> None:
-        xfer = uuid.uuid4().hex
-        plan = StepPlan(remote_loads=[RemoteLoad(xfer, channel.address, BlockTransfer(
-            "r", 0, tuple(block_ids), tuple(keys), worker.blocks_per_file))])
+    def load() -> RemoteLoad:
+        return RemoteLoad(uuid.uuid4().hex, channel.address, BlockTransfer(
+            "r", 0, tuple(block_ids), tuple(keys), worker.blocks_per_file))
+
+    def step() -> None:
+        r = load()
+        xfer = r.xfer
+        plan = StepPlan(remote_loads=[r])
         worker.bind(plan)
         prefill.bind(plan)
         prefill.request_stages()
@@ -319,8 +331,16 @@ def de_pull(store: BlockStore, worker: KVWorker, kv: dict[str, torch.Tensor],
         pool.release(xfer)
         if worker.take_load_errors():
             raise SystemExit("connector_bench: DE load errors")
+
+    def background() -> None:  # `async_loads`: staged and pulled in pipelined pieces
+        r = load()
+        if prefill.pull_whole(r) != len(block_ids):
+            raise SystemExit("connector_bench: DE background pull errors")
+        sync(kv)
+        pool.release(worker.shard.xfer(r.xfer))
+
     try:
-        yield run
+        yield background if stage_pieces else step
     finally:
         prefill.close()
         channel.close()
@@ -382,7 +402,8 @@ def pull_post_cost(root: Path, num_blocks: int, repeats: int) -> float:
 def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
                 root: Path, read_threads: int, device: str,
                 stage_threads: list[int], de_pulls: list[str],
-                blocks_per_file: int = 1) -> list[dict[str, float | str]]:
+                blocks_per_file: int = 1, stage_gbps: float = 0.0
+                ) -> list[dict[str, float | str]]:
     g = blocks_per_file
     num_blocks = max(2, total_bytes // shape.full_block_bytes) // g * g or g
     nbytes = num_blocks * shape.full_block_bytes
@@ -426,13 +447,18 @@ def bench_shape(shape: Shape, total_bytes: int, repeats: int, paths: list[str],
         shutil.rmtree(durable.root)
     for threads in stage_threads if "de" in paths else []:
         for how in de_pulls:
-            for layer in kv.values():
-                layer.zero_()
-            with de_pull(store, worker, kv, keys, block_ids, threads,
-                         host_bounce=how == "bounce") as run:
-                via = " via host" if how == "bounce" else ""
-                row(f"DE staging pull{via} ({threads} stage reads)", measure(run, repeats))
-            check_pages(kv, store, keys, shape, block_ids)
+            for pieces in (0, 1, STAGE_PIECES):  # a step's pull; a background one's, whole
+                for layer in kv.values():            # then pipelined
+                    layer.zero_()
+                with de_pull(store, worker, kv, keys, block_ids, threads,
+                             host_bounce=how == "bounce", stage_pieces=pieces,
+                             stage_gbps=stage_gbps) as run:
+                    via = " via host" if how == "bounce" else ""
+                    kind = "staging pull" if not pieces else \
+                        f"background pull, staged in {pieces} piece{'s' if pieces > 1 else ''}"
+                    paced = f", stage paced at {stage_gbps:g} Gb/s" if stage_gbps > 0 else ""
+                    row(f"DE {kind}{via} ({threads} stage reads{paced})", measure(run, repeats))
+                check_pages(kv, store, keys, shape, block_ids)
     return rows
 
 
@@ -555,6 +581,10 @@ def main() -> int:
                     "(NIXL into pinned host buffers, then one copy per layer; the connector's "
                     "default for a GPU's KV) (default: direct,bounce on a GPU, direct on "
                     "the host)")
+    ap.add_argument("--stage-gbps", type=float, default=0.0, help="DE path: pace the decode "
+                    "node's store reads at this rate, Gb/s (an emulated storage NIC, as the "
+                    "P/D benchmark runs it); 0: unpaced, page-cache rate (default: "
+                    "%(default)s)")
     ap.add_argument("--pull-blocks", type=int, default=2048, help="DE pull: staged blocks "
                     "whose NIXL descriptors are timed (512 B pages, 64 layers); 0: skip "
                     "(default: %(default)s)")
@@ -589,7 +619,7 @@ def main() -> int:
                 rows += bench_shape(shape, int(args.gb * GB), args.repeats, paths, root,
                                     args.read_threads, args.device,
                                     [int(x) for x in args.stage_threads.split(",")], de_pulls,
-                                    g)
+                                    g, args.stage_gbps)
         router = router_cost(args.instances, args.waiting, root)
         counts = {g: prefix_count_cost(root, g) for g in files_of if g > 1}
         pull_s = pull_post_cost(root, args.pull_blocks, max(args.repeats, 5)) \

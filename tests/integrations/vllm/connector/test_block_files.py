@@ -285,6 +285,7 @@ def test_the_launcher_passes_blocks_per_file_only_when_set(tmp_path: Path) -> No
 # -- the DE path: a decode node stages files into per-block slots, NIXL pulls them --------
 nixl = pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
+from dualpath.integrations.vllm.connector import remote  # noqa: E402
 from dualpath.integrations.vllm.connector.remote import DecodeRemote, PrefillRemote  # noqa: E402
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool  # noqa: E402
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import (  # noqa: E402
@@ -386,14 +387,19 @@ def test_a_routed_prefill_pulls_whole_files_and_pushes_the_rest(
         prefill.close()
 
 
+@pytest.mark.parametrize("pieces", [1, 4], ids=["whole", "pipelined"])
 def test_a_stage_from_inside_a_file_drops_the_blocks_before(
-        tmp_path: Path, decode: Decode) -> None:
-    """Blocks 3..15 (vLLM's prefix cache ends inside file 0): two files read, 13 slots."""
+        tmp_path: Path, decode: Decode, pieces: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks 3..15 (vLLM's prefix cache ends inside file 0): two files read, 13 slots; staged
+    whole, or pipelined in pieces that end on file edges (blocks 3..7 = file 0, 8..15 = 1)."""
     store, _, src = saved_prompt(tmp_path)
     keys = block_keys(PROMPT, BS, NS)
     worker = KVWorker(store, LAYERS, PAGE, blocks_per_file=G)
     kv = paged()
-    prefill = PrefillRemote(worker, kv)
+    monkeypatch.setattr(remote, "MIN_STAGE_PIECE_BLOCKS", 1)
+    assert remote.stage_chunks(13, pieces, 3, G) == ([(0, 13)] if pieces == 1
+                                                     else [(0, 5), (5, 13)])
+    prefill = PrefillRemote(worker, kv, stage_pieces=pieces)
     try:
         t = BlockTransfer("c", 3, tuple(range(33, 46)), (keys[7], keys[15]), blocks_per_file=G)
         assert prefill.pull_whole(RemoteLoad("y", decode.channel.address, t)) == 13

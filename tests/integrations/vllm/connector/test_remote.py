@@ -399,6 +399,54 @@ def test_a_background_pull_bounces_in_chunks_and_keeps_the_chunks_before_a_failu
     assert p.p_worker.counters.remote_errors == 1
 
 
+def test_a_background_load_is_staged_in_pieces() -> None:
+    assert remote.stage_chunks(0, 4) == []
+    assert remote.stage_chunks(10, 4) == [(0, 8), (8, 10)]  # pieces of at least 8 blocks
+    assert remote.stage_chunks(100, 4) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    assert remote.stage_chunks(100, 1) == [(0, 100)]
+    # Files of 8 blocks, the load from block 3: every piece but the last ends on a file edge
+    # (absolute blocks 32, 64, 96), so no file is staged twice.
+    assert remote.stage_chunks(100, 4, 3, 8) == [(0, 29), (29, 61), (61, 93), (93, 100)]
+    assert remote.stage_chunks(5, 4, 3, 8) == [(0, 5)]
+    with pytest.raises(ValueError, match="stage_pieces"):
+        PrefillRemote(KVWorker(BlockStore(Path("/nonexistent"), FULL), LAYERS, PAGE), paged(),
+                      stage_pieces=0)
+
+
+def test_a_pipelined_background_pull_keeps_the_pieces_before_a_failed_stage(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every piece's stage is sent at once; the one whose store read fails ends the load there
+    (the rest is recomputed), its later pieces' replies are still taken (none reads into a
+    slot afterwards, the connection stays in step) and every slot goes back on release."""
+    p = pair
+    de = p.channel.address
+    monkeypatch.setattr(remote, "MIN_STAGE_PIECE_BLOCKS", 1)
+    p.prefill.stage_pieces = 3  # a piece per block
+    assert p.prefill.pull_whole(RemoteLoad("x", de, BlockTransfer(
+        "r", 0, (5, 1, 6), tuple(KEYS[:3])))) == 3
+    for i, name in enumerate(LAYERS):
+        for block_id, block in zip((5, 1, 6), p.stored, strict=True):
+            assert same(p.p_kv[name][block_id], page_of(block, i))
+    p.store.remove(KEYS[1])
+    for layer in p.p_kv.values():
+        layer.zero_()
+    assert p.prefill.pull_whole(RemoteLoad("y", de, BlockTransfer(
+        "r", 0, (2, 3, 4), tuple(KEYS[:3])))) == 1  # piece 0; piece 1's read failed
+    for i, name in enumerate(LAYERS):
+        assert same(p.p_kv[name][2], page_of(p.stored[0], i))
+        assert not p.p_kv[name][3].any() and not p.p_kv[name][4].any()
+    assert p.channel.num_stage_errors == 1
+    assert p.channel.num_staged_blocks == 3 + 2  # piece 2 was read all the same
+    assert p.p_worker.counters.pulled_blocks == 4
+    for name in list(p.pool._xfers):  # the decode side lets both transfers go
+        p.pool.release(name)
+    assert p.pool.num_free == p.pool.num_slots
+    # The same thread's connection is still in step: the next load's replies are its own.
+    assert p.prefill.pull_whole(RemoteLoad("z", de, BlockTransfer(
+        "r", 0, (7, 8), (KEYS[0], KEYS[1])))) == 1
+    assert p.p_worker.counters.remote_errors == 0  # a missing block is not a fault of the peer
+
+
 def test_background_loads_read_both_sides_and_report_when_done(pair: Pair) -> None:
     p = pair
     de = p.channel.address

@@ -35,6 +35,7 @@ instance without the blocks, which it then recomputes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -74,6 +75,29 @@ from dualpath.transport.transfer_error import TransferError
 
 Indices = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 """Per layer (rows), the entries of a batch in the local and the remote prepared list."""
+
+STAGE_PIECES = 4
+"""A background DE-side load is staged in this many pieces (`stage_chunks`), so that the decode
+instance's store reads of one piece overlap this worker's pull of the one before."""
+
+MIN_STAGE_PIECE_BLOCKS = 8
+"""...of at least this many blocks each (a piece's store reads run in parallel)."""
+
+
+def stage_chunks(num_blocks: int, pieces: int = STAGE_PIECES, first_block: int = 0,
+                 blocks_per_file: int = 1) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges (relative to `first_block`) a background load of `num_blocks` is
+    staged and pulled in: at most `pieces`, each of at least `MIN_STAGE_PIECE_BLOCKS` and
+    ending on a file's edge (files of `blocks_per_file` blocks, so no file is read twice),
+    the last one where the load ends."""
+    g = blocks_per_file
+    size = max(MIN_STAGE_PIECE_BLOCKS, -(-num_blocks // pieces))
+    bounds = [0]
+    while bounds[-1] < num_blocks:
+        end = first_block + bounds[-1] + size
+        bounds.append(min(num_blocks, -(-end // g) * g - first_block))
+    return list(itertools.pairwise(bounds))
+
 
 BOUNCE_CHUNK_BYTES = 1 << 29
 """A background pull through the host (`PrefillRemote.pull_whole`) bounces at most this many
@@ -196,8 +220,13 @@ class PrefillRemote:
     (without GPUDirect RDMA, UCX emulates a transfer between host and VRAM over TCP)."""
 
     def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor],
-                 host_bounce: bool | None = None) -> None:
+                 host_bounce: bool | None = None, stage_pieces: int = STAGE_PIECES) -> None:
+        """`stage_pieces`: a background DE-side load is staged and pulled in this many
+        pipelined pieces (`stage_chunks`; 1: staged whole, then pulled)."""
+        if stage_pieces < 1:
+            raise ValueError(f"stage_pieces must be >= 1, got {stage_pieces}")
         self.kv = kv
+        self.stage_pieces = stage_pieces
         self.page_bytes = kv.page_bytes
         self._bases = paged_kv_bases(kv_caches, kv.layer_names, kv.page_bytes)
         self._layers = [kv_caches[name] for name in kv.layer_names]
@@ -356,25 +385,36 @@ class PrefillRemote:
             self._fail_from[req_id] = min(first_block, self._fail_from.get(req_id, first_block))
 
     def pull_whole(self, r: RemoteLoad) -> int:
-        """A background DE-side load: stage, then one NIXL READ of every layer's page of every
-        staged block into the paged KV (through the host: into a bounce buffer, a chunk at a
-        time, then copied), waited for; returns the blocks loaded (a prefix)."""
+        """A background DE-side load: staged and pulled in `stage_chunks` pieces, pipelined:
+        every piece's `stage` is sent at once, so the decode instance reads piece k+1 from its
+        store while this worker pulls piece k (one NIXL READ of every layer's page of the
+        piece's blocks into the paged KV, through the host when bouncing), waited for; returns
+        the blocks loaded (a prefix)."""
         t = r.blocks
         ok = 0
         try:
             client, peer = self._peer(r.de)
-            slots = client.stage(*self._stage_args(r)).slots
-            pairs = list(zip(t.block_ids, slots, strict=False))
-            if self._bounces is not None:
-                ok = self._pull_whole_bounced(r.de, peer, pairs)
-            else:
-                pending = self._post("READ", r.de, peer, self._entries(r.de, pairs),
-                                     slice(None))
-                if pending is not None:
-                    pending.wait()
-                ok = len(slots)
+            xfer, first, keys, _ = self._stage_args(r)
+            g = t.blocks_per_file
+            pieces = stage_chunks(len(t.block_ids), self.stage_pieces, first, g)
+            for lo, hi in pieces:  # a piece's files: those holding its blocks
+                k0 = (first + lo) // g - first // g
+                k1 = (first + hi - 1) // g - first // g + 1
+                client.send(Stage(xfer, first + lo, keys[k0:k1], hi - lo))
+            replies = 0
+            try:
+                for lo, hi in pieces:
+                    slots = client.receive(Staged).slots
+                    replies += 1
+                    pairs = list(zip(t.block_ids[lo:hi], slots, strict=False))
+                    ok += self._pull_pairs(r.de, peer, pairs)
+                    if len(slots) < hi - lo:
+                        break  # a stage read failed: the rest is recomputed
+            finally:  # the later pieces' replies: none may still be reading into a slot
+                for _ in range(len(pieces) - replies):
+                    client.receive(Staged)
         except _Partial as e:
-            ok = e.ok
+            ok += e.ok
             self.kv.remote_error(t.req_id, "pull", str(e.error), thread=threading.get_ident())
             self._drop_peer(r.de)
         except (SideChannelError, TransferError, OSError) as e:
@@ -384,6 +424,16 @@ class PrefillRemote:
         self.kv.log_event({"event": "pull", "req_id": t.req_id, "de": r.de, "background": True,
                            "first_block": t.first_block, "blocks": len(t.block_ids), "ok": ok})
         return ok
+
+    def _pull_pairs(self, de: str, peer: str, pairs: list[tuple[int, int]]) -> int:
+        """`pull_whole`'s READ of one staged piece, waited for; returns its blocks (a failure
+        raises, `_Partial` with the piece's blocks loaded before it)."""
+        if self._bounces is not None:
+            return self._pull_whole_bounced(de, peer, pairs)
+        pending = self._post("READ", de, peer, self._entries(de, pairs), slice(None))
+        if pending is not None:
+            pending.wait()
+        return len(pairs)
 
     def _pull_whole_bounced(self, de: str, peer: str, pairs: list[tuple[int, int]]) -> int:
         """`pull_whole`'s READ through a bounce buffer, `BOUNCE_CHUNK_BYTES` at a time, each
