@@ -125,6 +125,14 @@ class SimParams:
     """Control-plane latency on a turn's way out: from its end (its last token, or its
     persistence with `is_next_turn_after_persist`) until the agent's next turn arrives (the
     completion's hops back to the client, which submits the next turn). 0: none."""
+    decode_slot_hold_s: float = 0.0
+    """Least time a turn holds its decode engine's seat (under
+    `SchedulerParams.max_seqs_per_decode_engine`), its HBM and its load charge, counted from
+    its DE assignment: they are given back at max(its last token, assignment + this). Models a
+    per-turn DE occupancy the simulator does not otherwise have (a serving engine's setup or
+    teardown per sequence, or the paper's DE-first wait through the PE queue, read and prefill
+    when that is longer than ours). Not from the paper: an opt-in probe of issue 26's Fig. 9
+    generation trend. 0: none (given back at the last token)."""
 
     def __post_init__(self) -> None:
         o = "sim.params"
@@ -146,6 +154,7 @@ class SimParams:
         non_negative_int(o, "decode_ep_engines", self.decode_ep_engines)
         non_negative(o, "turn_dispatch_s", self.turn_dispatch_s)
         non_negative(o, "turn_return_s", self.turn_return_s)
+        non_negative(o, "decode_slot_hold_s", self.decode_slot_hold_s)
 
 
 @dataclass(frozen=True)

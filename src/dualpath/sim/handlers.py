@@ -699,20 +699,33 @@ class Handlers:
         for req in done:
             self._finish(req)
 
+    def _release_de_slot(self, req: Req, charge: int, is_deferred: bool) -> None:
+        """The turn's DE gives back its seat under the sequence cap, its HBM and its load
+        charge; deferred (`SimParams.decode_slot_hold_s`), the DEs fetch again at once."""
+        eng = self.engines[req.de_engine]
+        eng.free_hbm_bytes += req.hbm_bytes
+        eng.num_seqs -= 1
+        eng.num_tokens -= charge
+        self._touch(req.de_engine)
+        gi = self.cluster.dgroup_index[req.de_engine]
+        self.dgroup_tok[gi] -= charge
+        self.de_dirty.add(gi)
+        if is_deferred:
+            self._dispatch_de()
+
     def _finish(self, req: Req) -> None:
         """The turn is done: its DE frees HBM and persists the new Full Blocks, and the
         agent's next turn (if any) arrives."""
         now = self.loop.now_s
         req.done_at = now
         eng = self.engines[req.de_engine]
-        eng.free_hbm_bytes += req.hbm_bytes
-        eng.num_seqs -= 1
         charge = self.policy.de_charge(self.waiting.pop(req.request_id))
-        eng.num_tokens -= charge
-        self._touch(req.de_engine)
-        gi = self.cluster.dgroup_index[req.de_engine]
-        self.dgroup_tok[gi] -= charge
-        self.de_dirty.add(gi)
+        release_at = req.de_assigned_at + self.params.decode_slot_hold_s
+        if release_at > now:
+            # `SimParams.decode_slot_hold_s`: the seat, HBM and load stay until then.
+            self.loop.at(release_at, lambda: self._release_de_slot(req, charge, True))
+        else:
+            self._release_de_slot(req, charge, False)
         if self.progress is not None:
             self.progress(1)
         if not self.is_oracle:
