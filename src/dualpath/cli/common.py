@@ -105,7 +105,6 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     )
 
 
-
 def add_read_side_args(group: argparse._ArgumentGroup) -> None:
     """--read-tie-side and --rr-read-side: the two read-side choices the paper leaves open
     (`SchedulerParams.dual_tie_side`, `SchedulerParams.rr_read_side`); unset, the scheduler's
