@@ -33,10 +33,21 @@ def params(**kw: object) -> SchedulerParams:
     return SchedulerParams(**base)  # type: ignore[arg-type]
 
 
-def test_defaults_are_ties_to_pe_and_the_queue_rule() -> None:
+def test_defaults_are_balanced_ties_and_the_round_robin_coin() -> None:
     p = params()
-    assert p.dual_tie_side is TieSide.PE is DEFAULT_TIE_SIDE
-    assert p.rr_read_side is RRReadSide.QUEUE is DEFAULT_RR_READ_SIDE
+    assert p.dual_tie_side is TieSide.BALANCED is DEFAULT_TIE_SIDE
+    assert p.rr_read_side is RRReadSide.RANDOM is DEFAULT_RR_READ_SIDE
+    c = ReadSideChooser(p, is_round_robin=False, num_pe_nodes=2, num_de_nodes=4)
+    assert [c.side(0, 0) for _ in range(6)].count(ReadSide.DE) == 4  # 4 of 6 ties to DE
+    assert c.side(5, 3) is ReadSide.DE and c.side(3, 5) is ReadSide.PE
+    assert (c.num_ties, c.num_ties_de) == (6, 4)
+    rr = ReadSideChooser(p, is_round_robin=True, num_pe_nodes=2, num_de_nodes=4)
+    blind = [rr.side(10**6, 0) for _ in range(200)]  # queue-blind: a far longer PE queue
+    assert 0.35 < blind.count(ReadSide.PE) / len(blind) < 0.65 and rr.num_ties == 0
+
+
+def test_fixed_sides_pe_and_the_queue_rule() -> None:
+    p = params(dual_tie_side=TieSide.PE, rr_read_side=RRReadSide.QUEUE)
     for is_rr in (False, True):
         c = ReadSideChooser(p, is_round_robin=is_rr, num_pe_nodes=2, num_de_nodes=4)
         assert [c.side(0, 0) for _ in range(5)] == [ReadSide.PE] * 5
@@ -67,15 +78,20 @@ def test_balanced_counts_only_ties() -> None:
     assert (c.num_ties, c.num_ties_de) == (3, 2)
 
 
-def test_balanced_needs_the_scheduler_state() -> None:
+def test_balanced_without_the_scheduler_state_takes_the_first_tie() -> None:
     p = params(dual_tie_side=TieSide.BALANCED)
     q = [WaitingRequest(0, 256, 128, 0)]
     reports = [EngineReport(0, 0, Role.PREFILL, 0, 0, 0, BIG)]
-    with pytest.raises(SpecError, match="balanced"):
-        pe_policy.pe_fetch(q, reports, p, de_node_of={0: 1})
+    # Stateless: a fresh counter's first tie, PE (for any node counts: D < P + D).
+    fetch = pe_policy.pe_fetch(q, reports, p, de_node_of={0: 1})
+    read = fetch.assignments[0].read
+    assert read is not None and read.num_pe_blocks == read.num_hit_blocks > 0
     c = ReadSideChooser(p, False, 1, 2)
     fetch = pe_policy.pe_fetch(q, reports, p, de_node_of={0: 1}, sides=c)
     assert fetch.assignments[0].read is not None and c.num_ties == 1
+    de = params(dual_tie_side=TieSide.DE)
+    read = pe_policy.pe_fetch(q, reports, de, de_node_of={0: 1}).assignments[0].read
+    assert read is not None and read.num_de_blocks == read.num_hit_blocks > 0
 
 
 def _sides_through_scheduler(s: Scheduler, n: int, pe_read_q: int = 0) -> list[ReadSide]:
@@ -98,8 +114,10 @@ def test_scheduler_balanced_ties_follow_its_read_nodes() -> None:
     s = Scheduler(params(dual_tie_side=TieSide.BALANCED), num_de_groups=4, read_nodes=(2, 4))
     sides = _sides_through_scheduler(s, 300)
     assert sides.count(ReadSide.DE) == 200  # 4 / 6 of 300, every read a tie (empty queues)
+    to_pe = Scheduler(params(dual_tie_side=TieSide.PE), num_de_groups=4, read_nodes=(2, 4))
+    assert _sides_through_scheduler(to_pe, 30) == [ReadSide.PE] * 30
     default = Scheduler(params(), num_de_groups=4, read_nodes=(2, 4))
-    assert _sides_through_scheduler(default, 30) == [ReadSide.PE] * 30
+    assert _sides_through_scheduler(default, 30).count(ReadSide.DE) == 20
 
 
 def test_round_robin_random_is_seeded_and_about_half_half() -> None:
@@ -119,7 +137,7 @@ def test_round_robin_random_is_seeded_and_about_half_half() -> None:
 
 
 def test_random_applies_to_the_round_robin_family_only() -> None:
-    p = params(rr_read_side=RRReadSide.RANDOM)
+    p = params(rr_read_side=RRReadSide.RANDOM, dual_tie_side=TieSide.PE)
     dualpath = Scheduler(p, num_de_groups=2, is_round_robin=False, seed=0)
     assert _sides_through_scheduler(dualpath, 50, pe_read_q=10**6) == [ReadSide.DE] * 50
     assert _sides_through_scheduler(dualpath, 10) == [ReadSide.PE] * 10  # ties: PE

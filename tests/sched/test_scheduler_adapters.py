@@ -311,26 +311,28 @@ def test_every_world_passes_the_read_side_choices() -> None:
     coeffs = coefficients_for(model, hw)
     sim = SimConfig(ClusterSpec(hw, model, P, D), Workload.from_lists([[(64, 0, 1)]]),
                     mode=mode_preset("dual-path"),
-                    scheduler_overrides=(("dual_tie_side", "balanced"),
-                                         ("rr_read_side", "random")))
+                    scheduler_overrides=(("dual_tie_side", "pe"), ("rr_read_side", "queue")))
     sched = Policy(sim, coeffs, D).sched
     assert (sched.params.dual_tie_side, sched.params.rr_read_side) == (
-        TieSide.BALANCED, RRReadSide.RANDOM)
+        TieSide.PE, RRReadSide.QUEUE)
     assert (sched.sides.num_pe_nodes, sched.sides.num_de_nodes) == (P, D)
-    assert sched.sides.is_queue_blind
-    plain = Policy(SimConfig(sim.cluster, sim.workload), coeffs, D).sched.params
-    assert (plain.dual_tie_side, plain.rr_read_side) == (TieSide.PE, RRReadSide.QUEUE)
+    assert not sched.sides.is_queue_blind
+    plain = Policy(SimConfig(sim.cluster, sim.workload, mode=mode_preset("dual-path")), coeffs,
+                   D).sched
+    assert (plain.params.dual_tie_side, plain.params.rr_read_side) == (
+        TieSide.BALANCED, RRReadSide.RANDOM)
+    assert plain.sides.is_queue_blind
     layout = KVLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=16)
-    run = RunConfig(mode="dual-path", store_root=".", read_tie_side="balanced",
-                    rr_read_side="random")
+    run = RunConfig(mode="dual-path", store_root=".", read_tie_side="pe",
+                    rr_read_side="queue")
     got = scheduler_params(run, layout)
-    assert (got.dual_tie_side, got.rr_read_side) == (TieSide.BALANCED, RRReadSide.RANDOM)
+    assert (got.dual_tie_side, got.rr_read_side) == (TieSide.PE, RRReadSide.QUEUE)
     default = scheduler_params(RunConfig(mode="dual-path", store_root="."), layout)
-    assert (default.dual_tie_side, default.rr_read_side) == (TieSide.PE, RRReadSide.QUEUE)
+    assert (default.dual_tie_side, default.rr_read_side) == (TieSide.BALANCED, RRReadSide.RANDOM)
     with pytest.raises(SpecError, match="rr_read_side"):
         RunConfig(mode="dual-path", store_root=".", rr_read_side="alternate")
     rt = RuntimeScheduler(SchedulerConfig(got, P, D, G, is_round_robin=True, seed=3))
     assert (rt.sched.sides.num_pe_nodes, rt.sched.sides.num_de_nodes) == (P, D)
-    assert rt.sched.sides.is_queue_blind
+    assert not rt.sched.sides.is_queue_blind  # `got` names the queue rule
     router = RoutePolicy(got, 2, 3)
     assert (router.sched.sides.num_pe_nodes, router.sched.sides.num_de_nodes) == (2, 3)

@@ -73,8 +73,8 @@ def test_read_side_choices_from_the_command_line(capsys: pytest.CaptureFixture[s
              "--json"]
     runs = {}
     for name, flags in (("default", []),
-                        ("explicit", ["--read-tie-side", "pe", "--rr-read-side", "queue"]),
-                        ("other", ["--read-tie-side", "balanced", "--rr-read-side", "random"])):
+                        ("explicit", ["--read-tie-side", "balanced", "--rr-read-side", "random"]),
+                        ("other", ["--read-tie-side", "pe", "--rr-read-side", "queue"])):
         assert main([*small, *flags]) == 0
         runs[name] = json.loads(capsys.readouterr().out)
     assert runs["explicit"] == runs["default"]  # the flags' defaults are the scheduler's

@@ -67,11 +67,11 @@ class RunConfig:
     fetch_interval_s: float = 0.005
     read_tie_side: str | None = None
     """Where the dual-path rule reads when both read queues are equal: pe, de, or balanced
-    (`SchedulerParams.dual_tie_side`); None: the scheduler's default (pe)."""
+    (`SchedulerParams.dual_tie_side`); None: the scheduler's default (balanced)."""
     rr_read_side: str | None = None
     """How the round-robin modes pick the read side: queue (the shorter read queue) or random
     (a coin seeded with `seed`; `SchedulerParams.rr_read_side`); None: the scheduler's default
-    (queue)."""
+    (random)."""
     is_cache_enabled: bool = True
     """False: every prompt is fully recomputed (no storage reads); blocks are still persisted."""
     compute_quota_s: float = 0.3

@@ -32,17 +32,21 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
 - `r_set_stops_at_first_misfit` (how R is traversed): `True`; R is the FIFO prefix that fits
   the group's total free HBM, matching the FIFO head-only placement loop after it.
 - `dual_tie_side` (where the `dual` rule reads when the PE's and the DE's read queues are equal;
-  most such ties are two empty queues): `PE` (no extra compute-NIC hop). `DE` sends every tie to
-  the decode side; `BALANCED` splits the ties between the sides in proportion to their nodes (the
-  DE side takes D/(P+D) of them, P and D the prefill and decode nodes), by a deterministic counter
-  the stateful `Scheduler` keeps (`path.ReadSideChooser`), so that reads that find both queues
-  empty spread over the machines as evenly as the round-robin engine choice spreads requests.
+  most such ties are two empty queues): `BALANCED` splits the ties between the sides in
+  proportion to their nodes (the DE side takes D/(P+D) of them, P and D the prefill and decode
+  nodes), by a deterministic counter the stateful `Scheduler` keeps (`path.ReadSideChooser`), so
+  that reads that find both queues empty spread over the machines as evenly as the engine choice
+  spreads requests (a stateless call decides as the counter's first tie: PE). `PE` sends every
+  tie to the prefill side (no extra compute-NIC hop; the default until 2026-12-04, which left
+  DS 660B 2P4D's two prefill machines 1.5x the mean storage traffic), `DE` to the decode side.
 - `rr_read_side` (how the round-robin family, the ablation's "w/o scheduling" steps, picks the
   read side in `dual` mode; the paper puts the path choice in the inter-engine scheduler of its
   "+scheduling" step, §6.1, and does not say how its "+dual-path loading" step picks one):
-  `QUEUE`, the same shorter-read-queue rule as `dualpath`. `RANDOM` ignores the queues: PE or DE
-  with probability 1/2 each, from a seeded generator the `Scheduler` owns (its `seed`; the
-  simulator passes the run's seed), so a run is deterministic in its seed. Not a strict
+  `RANDOM` ignores the queues: PE or DE with probability 1/2 each, from a seeded generator the
+  `Scheduler` owns (its `seed`; the simulator passes the run's seed), so a run is deterministic
+  in its seed; it reproduces the paper's round-robin storage Max/Avg (Fig. 13) and the
+  ablation's dual-path step. `QUEUE` (the default until 2026-12-04) uses the same
+  shorter-read-queue rule as `dualpath`, so the two balance storage alike. Not a strict
   alternation: PE, DE, PE, ... falls into step with the round-robin engine cursors, and one
   machine of a side then takes most of that side's reads.
 """
@@ -100,19 +104,20 @@ class TieSide(str, Enum):
     """Where the `dual` read-path rule reads when both read queues are equal ([INF])."""
 
     PE = "pe"
-    """default: the prefill node's storage NIC."""
+    """the prefill node's storage NIC."""
     DE = "de"
     BALANCED = "balanced"
-    """PE or DE in proportion to the sides' node counts, by a deterministic counter."""
+    """default: PE or DE in proportion to the sides' node counts, by a deterministic counter (a
+    stateless decision, without the counter, takes a fresh counter's first tie: PE)."""
 
 
 class RRReadSide(str, Enum):
     """How the round-robin scheduler family picks a request's read side in `dual` mode ([INF])."""
 
     QUEUE = "queue"
-    """default: the shorter read queue (ties: `dual_tie_side`), as the dualpath scheduler."""
+    """the shorter read queue (ties: `dual_tie_side`), as the dualpath scheduler."""
     RANDOM = "random"
-    """PE or DE with probability 1/2 each (a seeded generator), ignoring the queues."""
+    """default: PE or DE with probability 1/2 each (a seeded generator), ignoring the queues."""
 
 
 class PathMode(str, Enum):
@@ -123,10 +128,14 @@ class PathMode(str, Enum):
     SPLIT = "split"
 
 
-DEFAULT_TIE_SIDE = TieSide.PE
-"""`SchedulerParams.dual_tie_side`'s default (every world's, and the CLIs')."""
-DEFAULT_RR_READ_SIDE = RRReadSide.QUEUE
-"""`SchedulerParams.rr_read_side`'s default."""
+DEFAULT_TIE_SIDE = TieSide.BALANCED
+"""`SchedulerParams.dual_tie_side`'s default (every world's, and the CLIs'): neither side is
+favoured by construction; with it DualPath's storage-NIC Max/Avg at DS 660B 2P4D is 1.23 / 1.19
+against the paper's 1.18 (ties to PE: 1.56; docs/figures/full/ablation_1024_2048)."""
+DEFAULT_RR_READ_SIDE = RRReadSide.RANDOM
+"""`SchedulerParams.rr_read_side`'s default: the round-robin baseline picks the side without the
+queues (its storage Max/Avg 1.60 / 1.55 against the paper's 1.53, and the ablation's `dual-path`
+step -37.7% / -40.3% against -38.19%; the queue rule gives 1.55 and -45.1% / -49.2%)."""
 
 # Paper A.4 constants.
 ALPHA_READ_S = 3.0

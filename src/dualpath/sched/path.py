@@ -150,12 +150,10 @@ class ReadSideChooser:
 
 
 def fixed_tie_side(params: SchedulerParams) -> ReadSide:
-    """The tie side of a stateless decision: `dual_tie_side` `pe` or `de` (`balanced` needs a
-    `ReadSideChooser`)."""
-    if params.dual_tie_side is TieSide.BALANCED:
-        raise SpecError("read_side", "dual_tie_side", "balanced",
-                        "needs the Scheduler's ReadSideChooser (a counter across requests)")
-    return ReadSide.PE if params.dual_tie_side is TieSide.PE else ReadSide.DE
+    """The tie side of a stateless decision (one request, no `ReadSideChooser`): `dual_tie_side`
+    `pe` or `de`; `balanced` decides as a fresh counter's first tie does, PE (the counter's
+    first step adds D < P + D)."""
+    return ReadSide.DE if params.dual_tie_side is TieSide.DE else ReadSide.PE
 
 
 def plan_pair_read(
