@@ -16,6 +16,7 @@ from dualpath.experiments.online import (
     TTFT_SLO_S,
     OnlinePoint,
     capacities,
+    online_duration_s,
     point,
     point_spec,
 )
@@ -230,7 +231,7 @@ def advise(
                        c.bottleneck] for c in cands])
     best = cands[0]
     runner_up = cands[1] if len(cands) > 1 else None
-    dur = ctx.online_duration_s or (600 if ctx.is_quick else 2400)
+    dur = online_duration_s(ctx)
     body = (f"{s.label}, trace `{ctx.mals[0] if ctx.mals else '64k'}`, online runs of "
             f"{dur:,.0f} simulated s. Capacity: doubled from a guess while the SLO is met (up "
             f"to {2**MAX_DOUBLINGS}x), halved while it fails (down to 1/{2**MAX_HALVINGS}), then "

@@ -98,7 +98,7 @@ Experiments and their wall times:
 QUICK_NOTE = """
 **Quick (scaled-down) runs:** the offline experiments use the paper's smallest agent count
 (512) instead of 512-4,096, fewer MAL columns and sweep points (Fig. 8 at 32K only); online
-runs use the 32K trace for 600 simulated seconds instead of the 64K trace for 2,400; Table 3
+runs use the 32K trace for 600 simulated seconds instead of the 64K trace for 7,200; Table 3
 scales by 2x instead of 24x. The shapes are the
 paper's; the absolute sizes are not, and claims that need load (Fig. 9 at 64 agents, the
 speedups at 512) fail at this size for that reason alone: their `full` rows, where run, are the

@@ -27,7 +27,7 @@ class Context:
     setups: tuple[str, ...] = ()
     """Override of an experiment's setups (empty: its default)."""
     online_duration_s: float = 0.0
-    """Override of the simulated length of online runs (0: 600 s quick, 2,400 s full)."""
+    """Override of the simulated length of online runs (0: 600 s quick, 7,200 s full)."""
     scale_out: int = 0
     """Table 3's scale factor k (0: 2 quick, 4 full; the paper's is 24 offline, 22 online)."""
 

@@ -47,9 +47,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--modes", default="basic,dualpath", metavar="LIST",
                    help=f"modes to compare: {', '.join(MODE_PRESETS)} (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="bisection steps (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="600 s simulated runs instead of 2,400")
+    p.add_argument("--quick", action="store_true", help="600 s simulated runs instead of 7,200")
     p.add_argument("--duration", type=float, default=0.0, metavar="S",
-                   help="simulated seconds per online run (default: 600 quick, 2,400 full)")
+                   help="simulated seconds per online run (default: 600 quick, 7,200 full)")
     p.add_argument("--out", type=Path, default=Path("advise_out"),
                    help="folder for advise.csv and section_advise.md (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=0, metavar="N",

@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--setups", metavar="NAME,NAME",
                    help="override setups: ds660b_2p4d, ds27b_1p1d, qwen32b_1p2d")
     p.add_argument("--online-duration", type=float, default=0.0, metavar="S",
-                   help="simulated seconds per online run (default: 600 quick, 2,400 full)")
+                   help="simulated seconds per online run (default: 600 quick, 7,200 full)")
     p.add_argument("--scale-out", type=int, default=0, metavar="K",
                    help="table3: the large cluster is K times 2P4D with K times the load "
                    "(default: 2 quick, 4 full; the paper's offline run is 24: 48P96D, with "
