@@ -94,11 +94,13 @@ def storage_section(ctx: Context) -> Section:
 
     forms = [form_row(f.form + (" (recorded)" if f.form == FORM else ""), f.model,
                       f"{f.rms_log_after:.3f}") for f in fits]
-    if not fits:  # each form at the packaged model's rate for the fitted block
-        fraction = _fraction(model, FIT_SETUP)
-        forms = [form_row(f + (" (packaged)" if f == model.form else ""),
-                          model if f == model.form else model_of(f, fraction), "-")
-                 for f in STORAGE_FORMS]
+    # A form the record does not hold (or every form, without a record): at the packaged
+    # model's rate for the fitted block, which is what a fit of that form gives.
+    fraction = _fraction(model, FIT_SETUP)
+    in_record = {f.form for f in fits}
+    forms += [form_row(f + (" (packaged)" if f == model.form else " (at the fitted rate)"),
+                       model if f == model.form else model_of(f, fraction), "-")
+              for f in STORAGE_FORMS if f not in in_record]
     # -- residuals and implied rates ----------------------------------------------------------
     rows: list[list[object]] = []
     resid: dict[tuple[bool, bool | None], list[float]] = {}
