@@ -139,7 +139,8 @@ These causes apply to every section; each section's tables show how large the di
    but the paper does not say so, and we do not assume it.
 10. **Scale.** The quick report scales Table 3 by 2x. The paper's offline size also runs here
    (`dualpath reproduce table3 --scale-out 24 --agents 2048`: 48P96D with 49,152 agents, 7.7
-   million turns; 13 to 32 minutes for the whole section here, depending on what else shares
+   million turns; 7 minutes for the whole section here on 2026-12-04 with two jobs, its
+   online runs ending at steady state, up to 32 minutes earlier, depending on what else shares
    the two cores; under "Separate runs"). The large cluster keeps the 2P4D unit's
    expert-parallel groups. With the MoE weights sharded over all 768 decode engines instead
    (the simulator's default for a single cluster), each decode step reads a 24x smaller shard,
