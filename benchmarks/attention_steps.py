@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  step Max/Avg over the engines that ran: mean {statistics.mean(ratios):.3f} "
           f"(SimResult: {result.attention_ran_max_over_avg_first5:.3f}); steps with >= 4 "
           f"engines: {statistics.mean(wide) if wide else float('nan'):.3f} ({len(wide):,})")
+    for t, _, a in early[:4]:
+        print(f"  step at {t:.2f} s: attention per engine that ran (ms) "
+              f"{', '.join(f'{1e3 * x:.0f}' for x in sorted(a))}")
     return 0
 
 

@@ -44,7 +44,9 @@ These causes apply to every section; each section's tables show how large the di
    simulated s; a run that never settles fails; any turn waiting more than 20 s aborts a run).
    Before, the means over the last two thirds of 2,400 s runs were judged, and a Basic whose
    storage queue grew the whole run passed: DS 660B 2P4D Basic met the SLO at 0.375 APS on a
-   2,400 s run, while over 7,200 s its TTFT climbs past 4 s at 0.3 APS (aborted at 5,406 s);
+   2,400 s run, while over 7,200 s its TTFT climbs past 4 s at 0.3 APS (`python
+   benchmarks/online_drift.py`: per sixth of the run 0.23, 1.13, 3.57, 5.45, 7.42, 9.87 s,
+   aborted at 5,406 s; on 2,400 s the old late mean is 1.89 s);
    its steady capacity is 0.244 APS, the storage bound (2 x 0.538 x 50 GB/s over 245 GB of
    hit KV per 64K agent: 0.22). Judged at steady state, DualPath/Basic capacity is 1.92x for
    DS 660B (paper 2.25x; was 1.80x) and 1.93x for DS 27B (paper 1.67x; was 2.10x); DS 660B's
