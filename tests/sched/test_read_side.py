@@ -1,6 +1,7 @@
 """The read-side choices the paper leaves open (`sched.path.ReadSideChooser`): the `balanced` tie
 rule's split in proportion to the node counts, the round-robin family's seeded queue-blind
-coin, and the defaults (ties to PE, the queue rule in both families), through the `Scheduler`."""
+coin, and the defaults (balanced ties, the coin for the round-robin family), through the
+`Scheduler`."""
 
 from __future__ import annotations
 

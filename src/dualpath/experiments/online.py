@@ -308,7 +308,7 @@ def fig10_11(ctx: Context) -> Section:
                "of the prefills completed in the last 150 s is within 5% of that of the window "
                "30 minutes earlier, and that window gives the point's means (`steady at`: when); "
                "a run that never settles fails (its last window's means). "
-               if online_duration_s(ctx) > STEADY_LOOKBACK_S + STEADY_WINDOW_S else
+               if online_duration_s(ctx) >= STEADY_LOOKBACK_S + STEADY_WINDOW_S else
                "Too short for the paper's steady-state rule (a 150 s window against the one 30 "
                "minutes earlier): SLO judged on means over turns arriving after the first third "
                "of each run, which flatters a system whose queues still grow. ")

@@ -101,7 +101,8 @@ def apply_read_plan(plan: ReadPlan, read_q_tokens_by_node: MutableMapping[int, i
 class ReadSideChooser:
     """The side a `dual`-mode read goes to, with the state two of the choices need.
 
-    - Queue rule (default, both scheduler families): the side whose node's read queue is shorter;
+    - Queue rule (the dualpath family; the round-robin one with `rr_read_side` `queue`): the
+      side whose node's read queue is shorter;
       on a tie `SchedulerParams.dual_tie_side`: `pe`, `de`, or `balanced`, where a Bresenham
       counter sends the n-th tie to DE exactly when `floor(n * D / (P + D))` grows, so after any
       n ties the DE side has taken `floor(n * D / (P + D))` of them (P, D: `num_pe_nodes`,
