@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,11 @@ from dualpath.core.errors import DualPathError
 from dualpath.core.storage import (
     NOMINAL,
     THREEFS_PEAK_FRACTION,
+    THREEFS_READS_IN_FLIGHT,
     StorageFileError,
     StorageReadModel,
+    StorageSpecError,
+    parse_storage_read,
     storage_read_model,
     write_storage_record,
 )
@@ -106,3 +110,25 @@ def test_malformed_record_names_the_file_and_entry(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(StorageFileError, match=r"storage.json:1: invalid JSON"):
         storage_read_model("h800-deepseek", path)
+
+
+def test_storage_read_names_parse_to_their_models() -> None:
+    assert parse_storage_read("calibrated") is None
+    assert parse_storage_read("nominal") == NOMINAL
+    flat = parse_storage_read("flat:0.6")
+    assert flat is not None and flat.read_bytes_per_s(1e9, 1e6) == pytest.approx(0.6e9)
+    queued = parse_storage_read("queued")
+    assert queued is not None and queued.form == "queued"
+    assert queued.reads_in_flight == THREEFS_READS_IN_FLIGHT == 32
+    # The default depth is 3FS#410's own, so it gives back that benchmark's 1 MiB point.
+    assert queued.read_bytes_per_s(50e9, float(1 << 20)) == pytest.approx(
+        23.2 * (1 << 30), rel=1e-6)
+    named = parse_storage_read(" Queued:20 ")
+    assert named is not None and named.reads_in_flight == 20
+
+
+@pytest.mark.parametrize("text", ["", "flat", "flat:x", "flat:0", "flat:1.5", "queued:0",
+                                  "queued:-2", "queued:nan", "queued:inf", "nominal:1", "fast"])
+def test_bad_storage_read_names_quote_the_value(text: str) -> None:
+    with pytest.raises(StorageSpecError, match=re.escape(f"--storage-read {text!r}")):
+        parse_storage_read(text)

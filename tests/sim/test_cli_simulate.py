@@ -83,3 +83,25 @@ def test_read_side_choices_from_the_command_line(capsys: pytest.CaptureFixture[s
         "num_completed"]
     with pytest.raises(SystemExit):
         main([*small, "--rr-read-side", "alternate"])
+
+
+def test_storage_read_model_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """--storage-read picks the storage NICs' read model and says what rate it gives this
+    model's Full Blocks; a slower read model gives a Basic run (which only reads) a longer
+    JCT; a bad value is one line quoting it."""
+    jct, lines = {}, {}
+    for spec in ("calibrated", "nominal", "flat:0.2", "queued:4"):
+        assert main([*TINY, "--agents", "8", "--storage-nic-gbps", "2", "--mode", "basic",
+                     "--storage-read", spec]) == 0
+        out = capsys.readouterr()
+        lines[spec] = next(x for x in out.err.splitlines() if x.startswith("storage reads"))
+        jct[spec] = float(next(x for x in out.out.splitlines()
+                               if x.strip().startswith("basic")).split()[1])
+    assert "calibrated, flat: read efficiency 0.538" in lines["calibrated"]
+    assert "1.000 of the 2 GB/s line rate" in lines["nominal"]
+    assert "0.200 of the 2 GB/s line rate" in lines["flat:0.2"]
+    assert "queued: 4.0 reads in flight" in lines["queued:4"]
+    assert jct["nominal"] < jct["calibrated"] < jct["flat:0.2"]
+    assert main([*TINY, "--storage-read", "queued:many"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--storage-read 'queued:many'" in err[0]

@@ -7,6 +7,7 @@ import argparse
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from dualpath.core.model import MODEL_PRESETS, ModelSpec, model_from_hf_config, model_preset
+from dualpath.core.storage import StorageReadModel, parse_storage_read, storage_read_model
 from dualpath.core.units import GB
 
 
@@ -129,3 +130,39 @@ def read_side_overrides(args: argparse.Namespace) -> tuple[tuple[str, str], ...]
     """The `SchedulerParams` overrides of the `add_read_side_args` options given."""
     given = (("dual_tie_side", args.read_tie_side), ("rr_read_side", args.rr_read_side))
     return tuple((name, value) for name, value in given if value is not None)
+
+
+STORAGE_READ_HELP = (
+    "how fast a storage NIC reads KV: calibrated (the hardware preset's packaged record; "
+    "h800-deepseek: 0.538 of the line rate for every block size, fitted on DS 27B Basic), "
+    "nominal (the line rate), flat:F (F of it), queued[:C] (3FS as measured in "
+    "deepseek-ai/3FS#410: each read 0.514 ms + its bytes at 1.26 GB/s, C reads in flight "
+    "(default 32, that benchmark's), capped at 0.9 of the line rate, so larger Full Blocks "
+    "read faster: 0.55 of the line rate for DS 27B's 1.4 MB, 0.67 for DeepSeek-V3.2's 3.1 MB, "
+    "0.78 for Qwen2.5-32B's 16.8 MB; the paper's Qwen Basic implies about 0.75, its "
+    "DeepSeek-V3.2 Basic about 0.48: docs/reproduction.md, storage section) "
+    "(default: %(default)s)")
+
+
+def add_storage_read_arg(group: argparse._ArgumentGroup) -> None:
+    """--storage-read: the storage NICs' read model (`parse_storage_read`)."""
+    group.add_argument("--storage-read", default="calibrated",
+                       metavar="calibrated|nominal|flat:F|queued[:C]", help=STORAGE_READ_HELP)
+
+
+def storage_read_from_args(args: argparse.Namespace) -> StorageReadModel | None:
+    """The --storage-read model; None: the hardware's packaged record."""
+    return parse_storage_read(args.storage_read)
+
+
+def storage_read_line(cluster: ClusterSpec, chosen: StorageReadModel | None,
+                      block_tokens: int) -> str:
+    """One line saying how fast the cluster's storage NICs read its model's Full Blocks."""
+    model = chosen or storage_read_model(cluster.hardware.name)
+    nominal = cluster.hardware.storage_nic_bytes_per_s
+    block = float(cluster.model.kv_bytes_per_token * block_tokens)
+    rate = model.read_bytes_per_s(nominal, block)
+    which = "calibrated" if chosen is None else "--storage-read"
+    return (f"storage reads ({which}, {model.describe()}): {rate / GB:.1f} GB/s per storage NIC "
+            f"for {block / 1e6:.2f} MB Full Blocks, {rate / nominal:.3f} of the "
+            f"{nominal / GB:g} GB/s line rate")

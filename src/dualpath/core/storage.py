@@ -146,6 +146,46 @@ class StorageReadModel:
 NOMINAL = StorageReadModel()
 
 
+THREEFS_READS_IN_FLIGHT = _FIO_DEPTH
+"""The reads in flight of 3FS#410's measurement (32 jobs x iodepth 1): the `queued` form's
+`C` when a user asks for it without one (the fit on DS 27B Basic gives 31.3)."""
+
+STORAGE_READ_CHOICES = ("calibrated", "nominal", "flat:F", "queued", "queued:C")
+"""What `parse_storage_read` takes (the CLI's `--storage-read`)."""
+
+
+class StorageSpecError(DualPathError, ValueError):
+    """A `--storage-read` value that names no read model (it quotes the value)."""
+
+
+def parse_storage_read(text: str) -> StorageReadModel | None:
+    """The read model `text` names; None for `calibrated` (the hardware preset's packaged
+    record, `storage_read_model`). `nominal`: the line rate; `flat:F`: F of it for every
+    block; `queued`: the 3FS form with 3FS#410's 32 reads in flight; `queued:C`: with C."""
+    kind, sep, arg = text.strip().lower().partition(":")
+    if kind in ("calibrated", "nominal") and not sep:
+        return None if kind == "calibrated" else NOMINAL
+    if kind not in ("flat", "queued") or (kind == "flat" and not sep):
+        raise StorageSpecError(
+            f"--storage-read {text!r}: expected one of {', '.join(STORAGE_READ_CHOICES)} "
+            "(F a fraction of the line rate in (0, 1], C reads in flight > 0)")
+    what = "F (a fraction of the line rate)" if kind == "flat" else "C (reads in flight)"
+    try:
+        value = float(arg) if sep else THREEFS_READS_IN_FLIGHT
+    except ValueError:
+        raise StorageSpecError(f"--storage-read {text!r}: {what} must be a number") from None
+    try:
+        if kind == "flat":
+            return StorageReadModel(read_efficiency=value,
+                                    source=f"--storage-read flat:{value:g}")
+        if not 0.0 < value < float("inf"):
+            raise DualPathError(f"{what} must be a positive number")
+        return StorageReadModel(
+            reads_in_flight=value,
+            source=f"--storage-read queued:{value:g} (3FS#410's latency, stream rate, cap)")
+    except DualPathError as exc:
+        raise StorageSpecError(f"--storage-read {text!r}: {exc}") from None
+
 def default_storage_file() -> Path:
     """The packaged `dualpath/data/storage_calibration.json`."""
     return Path(str(resources.files("dualpath").joinpath("data/storage_calibration.json")))

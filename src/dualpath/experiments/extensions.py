@@ -22,7 +22,7 @@ from dualpath.experiments.online import (
 )
 from dualpath.experiments.paper import CLAIMS
 from dualpath.experiments.report import Claim, Context, Section, fmt, md_table, within, write_csv
-from dualpath.experiments.runner import RunSpec
+from dualpath.experiments.runner import RunSpec, storage_fraction
 from dualpath.experiments.setups import setup
 
 
@@ -204,6 +204,15 @@ def bottleneck(fail: OnlinePoint | None) -> str:
     return f"{why} at {fail.aps:.3f} APS; largest TTFT part: {top}"
 
 
+def _storage_words(ctx: Context, setup_name: str) -> str:
+    """How the advisor's runs read storage, in one sentence."""
+    if ctx.storage_read is None:
+        return "Storage reads: the hardware's calibrated record."
+    return (f"Storage reads (`--storage-read`): {ctx.storage_read.describe()}, "
+            f"{storage_fraction(ctx.storage_read, setup_name):.3f} of the line rate for this "
+            "model's Full Blocks.")
+
+
 def advise(
     ctx: Context, setup_name: str, pds: Sequence[tuple[int, int]], modes: Sequence[str],
     steps: int = 2,
@@ -237,8 +246,8 @@ def advise(
             f"to {2**MAX_DOUBLINGS}x), halved while it fails (down to 1/{2**MAX_HALVINGS}), then "
             "bisected; `>= X` met the SLO even at the highest APS tried (a lower bound, ranked "
             "by X), `< X` failed even at the lowest. SLO TTFT <= 4 s, "
-            f"TPOT <= 50 ms. **Recommended: {best.label}** ({1e3 * best.aps_per_gpu:.2f} mAPS "
-            "per GPU)"
+            f"TPOT <= 50 ms. {_storage_words(ctx, setup_name)} "
+            f"**Recommended: {best.label}** ({1e3 * best.aps_per_gpu:.2f} mAPS per GPU)"
             + (f"; runner-up {runner_up.label} ({1e3 * runner_up.aps_per_gpu:.2f})."
                if runner_up else ".") + "\n\n"
             + md_table(["config", "GPUs", "capacity APS", "mAPS per GPU", "bottleneck"], rows))

@@ -110,7 +110,10 @@ These causes apply to every section; each section's tables show how large the di
    something other than the storage rate (the +layerwise step of issue 26, item 2, which our
    Basic does not reproduce), `queued` fits DS 660B; but then the DS 27B Basic cells the fit
    uses carry that loss too and `C` must be refitted with it. Until that mechanism is modelled,
-   `queued` is reported, not recorded. The held-out sets under both forms (2026-12-03,
+   `queued` is reported, not recorded; `dualpath simulate` and `dualpath advise` run it on
+   request (`--storage-read queued[:C]`, C by default 3FS#410's own 32 reads in flight: 0.550,
+   0.666 and 0.776 of the line rate for the three Full Blocks above) and print the rate each
+   run's blocks get. The held-out sets under both forms (2026-12-03,
    `benchmarks/storage_heldout.py`) and the reasons no storage form alone can keep DS 660B
    (the paper's Basic implies its larger blocks moved slower; one `C` would need 25.9 reads in
    flight for DS 660B against 31.3 for DS 27B and 30.9 for Qwen) are in section `storage`,

@@ -27,7 +27,7 @@ import numpy as np
 from dualpath.experiments import plots
 from dualpath.experiments.paper import CLAIMS
 from dualpath.experiments.report import Claim, Context, Section, fmt, md_table, within, write_csv
-from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.runner import Runner, RunSpec, run_storage
 from dualpath.experiments.setups import setup
 from dualpath.sim import Driver, SimResult
 
@@ -120,8 +120,9 @@ def _spec(
     # gets closer to steady state (the full runs use 64K, the paper's likely online set).
     mal = ctx.mals[0] if ctx.mals else ("32k" if ctx.is_quick else "64k")
     p, d = pd or (0, 0)
+    storage = None if ctx.storage_read is None else run_storage(ctx.storage_read, name)
     return RunSpec(name, mode, n, mal, aps=aps, max_duration_s=dur, num_prefill_nodes=p,
-                   num_decode_nodes=d, ep_engines=ep)
+                   num_decode_nodes=d, ep_engines=ep, storage=storage)
 
 
 def point_spec(

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dualpath.core.datafile import write_text_atomic
+from dualpath.core.storage import StorageReadModel
 from dualpath.experiments.runner import Runner
 
 
@@ -30,6 +31,9 @@ class Context:
     """Override of the simulated length of online runs (0: 600 s quick, 7,200 s full)."""
     scale_out: int = 0
     """Table 3's scale factor k (0: 2 quick, 4 full; the paper's is 24 offline, 22 online)."""
+    storage_read: StorageReadModel | None = None
+    """Override of the storage read model of online runs (None: each hardware's calibrated
+    record), as `dualpath advise --storage-read` sets it."""
 
     @property
     def scale(self) -> str:

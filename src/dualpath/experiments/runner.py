@@ -143,6 +143,23 @@ NOMINAL_STORAGE = (1.0, 0.0)
 """`RunSpec.storage` of a run whose storage NICs move KV at their line rate."""
 
 
+def storage_fraction(model: StorageReadModel, setup_name: str) -> float:
+    """The fraction of its line rate a setup's storage NIC reads that setup's Full Blocks at
+    under `model`."""
+    s = setup(setup_name)
+    cl = s.cluster()
+    params = s.sim_kwargs().get("params", SimParams())
+    nominal = cl.hardware.storage_nic_bytes_per_s
+    block = float(cl.model.kv_bytes_per_token * params.block_size_tokens)
+    return model.read_bytes_per_s(nominal, block) / nominal
+
+
+def run_storage(model: StorageReadModel, setup_name: str) -> tuple[float, float]:
+    """`RunSpec.storage` that reads the setup's Full Blocks as `model` does: one run sees one
+    block size, so any form is one flat rate there."""
+    return (storage_fraction(model, setup_name), 0.0)
+
+
 @cache
 def _workload(mal: str, num_agents: int, append: float, gen: float, seed: int,
               block_size: int = 64) -> Workload:

@@ -22,7 +22,7 @@ from dualpath.experiments import plots
 from dualpath.experiments.calibrate import rms_of
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.report import Context, Section, md_table, write_csv
-from dualpath.experiments.runner import NOMINAL_STORAGE, RunSpec
+from dualpath.experiments.runner import NOMINAL_STORAGE, RunSpec, storage_fraction
 from dualpath.experiments.setups import setup
 from dualpath.experiments.storage_fit import (
     FIT_CELLS,
@@ -43,13 +43,9 @@ SYSTEMS = ("basic", "dualpath")
 
 
 def _rate_pct(model: StorageReadModel, name: str) -> float:
-    return 100.0 * _fraction(model, name)
+    return 100.0 * storage_fraction(model, name)
 
 
-def _fraction(model: StorageReadModel, name: str) -> float:
-    """The fraction of its line rate a setup's storage NIC reads that setup's Full Blocks at."""
-    nominal = setup(name).cluster().hardware.storage_nic_bytes_per_s
-    return model.read_bytes_per_s(nominal, block_bytes(name)) / nominal
 
 
 def other_form(model: StorageReadModel) -> StorageReadModel:
@@ -64,8 +60,9 @@ def _storage_of(model: StorageReadModel, name: str) -> tuple[float, float] | Non
     """`RunSpec.storage` that reads `name`'s blocks as `model` does (the simulator sees one
     rate per node, that of the model's block size); None where that is the packaged rate
     (the fitted setup's: the same runs)."""
-    fraction = _fraction(model, name)
-    return None if math.isclose(fraction, _fraction(packaged_model(), name)) else (fraction, 0.0)
+    fraction = storage_fraction(model, name)
+    packaged = storage_fraction(packaged_model(), name)
+    return None if math.isclose(fraction, packaged) else (fraction, 0.0)
 
 
 def _is_fitted(name: str, system: str, agents: int, mal: str) -> bool:
@@ -96,7 +93,7 @@ def storage_section(ctx: Context) -> Section:
                       f"{f.rms_log_after:.3f}") for f in fits]
     # A form the record does not hold (or every form, without a record): at the packaged
     # model's rate for the fitted block, which is what a fit of that form gives.
-    fraction = _fraction(model, FIT_SETUP)
+    fraction = storage_fraction(model, FIT_SETUP)
     in_record = {f.form for f in fits}
     forms += [form_row(f + (" (packaged)" if f == model.form else " (at the fitted rate)"),
                        model if f == model.form else model_of(f, fraction), "-")

@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dualpath.cli.common import STORAGE_READ_HELP, storage_read_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.deploy import deployment, render
 from dualpath.experiments.extensions import advise
 from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.report import Context, section_markdown
-from dualpath.experiments.runner import Runner, RunSpec, mal_tokens
+from dualpath.experiments.runner import Runner, RunSpec, mal_tokens, storage_fraction
 from dualpath.experiments.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
 from dualpath.experiments.step_profile import load_profile
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
@@ -57,6 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "results are identical to a serial run")
     p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines or bar")
+    p.add_argument("--storage-read", default="calibrated",
+                   metavar="calibrated|nominal|flat:F|queued[:C]", help=STORAGE_READ_HELP)
     p.add_argument("--profile", metavar="FILE",
                    help="simulate the engine measured by `dualpath profile` (this file): its "
                    "step costs instead of the roofline model, its model and run configuration "
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         mode_preset(m)
     if args.steps < 0:
         raise AdviseArgsError(f"--steps={args.steps}: must be >= 0")
+    storage = storage_read_from_args(args)
     prof = None
     if args.profile:
         name = f"{PROFILE_PREFIX}{args.profile}"
@@ -132,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
     trace = args.trace if mal is None else f"{args.trace}@{mal}"
     mal_tokens(trace)  # a bad --mal is one line
     ctx = Context(args.out, runner, args.quick, mals=(trace,),
-                  online_duration_s=args.duration)
+                  online_duration_s=args.duration, storage_read=storage)
+    if storage is not None:
+        print(f"storage reads: {storage.describe()}: {storage_fraction(storage, name):.3f} of "
+              "the line rate for this model's Full Blocks", file=sys.stderr)
     if args.ray:
         runner.ray = join(args.ray)
     try:

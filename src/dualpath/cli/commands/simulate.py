@@ -15,8 +15,11 @@ from dualpath import IMPLEMENTATION
 from dualpath.cli.common import (
     add_cluster_args,
     add_read_side_args,
+    add_storage_read_arg,
     cluster_from_args,
     read_side_overrides,
+    storage_read_from_args,
+    storage_read_line,
 )
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
@@ -90,6 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(its model, NIC rates, engines per node, engine memory, block size, "
                    "scheduler quota and beta), with --prefill-nodes/--decode-nodes nodes "
                    "(--model and --hardware are not used)")
+    add_storage_read_arg(s)
     s.add_argument("--storage-cluster-gbps", type=float, default=0.0, metavar="GB/S",
                    help="aggregate read cap of the storage cluster (default: none)")
     for side, node in (("pe", "prefill"), ("de", "decode")):
@@ -229,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cluster = cluster_from_args(args)
     modes = _modes(args)
+    storage = storage_read_from_args(args)
     if args.agents < 1:
         raise SimulateArgsError(f"--agents={args.agents}: must be >= 1")
     if args.mooncake and args.trajectories:
@@ -258,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gbps * GB,
                        inference_load_fraction=args.inference_load,
                        prefill_ep_engines=args.prefill_ep_engines,
-                       decode_ep_engines=args.decode_ep_engines)
+                       decode_ep_engines=args.decode_ep_engines, storage_read=storage)
     if profile is None:
         base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed)
     else:
@@ -266,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         params = replace(kw.pop("params"),
                          storage_cluster_bytes_per_s=params.storage_cluster_bytes_per_s,
                          inference_load_fraction=params.inference_load_fraction)
+        if storage is not None:
+            params = replace(params, storage_read=storage)
         base = SimConfig(cluster, workload, driver=driver, params=params, seed=args.seed, **kw)
         if not args.json:
             print(f"profile: {profile.describe()}", file=sys.stderr)
@@ -275,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
             sp, pe_reads=ReadDiscipline.parse(args.pe_reads) if args.pe_reads else sp.pe_reads,
             de_reads=ReadDiscipline.parse(args.de_reads) if args.de_reads else sp.de_reads))
     base = replace(base, scheduler_overrides=read_side_overrides(args))
+    if not args.json:
+        print(storage_read_line(cluster, base.params.storage_read,
+                                base.params.block_size_tokens), file=sys.stderr)
     configs = {name: replace(base, mode=mode_preset(name)) for name in modes}
     remote = (_on_ray(args.ray, configs, not args.no_progress and not args.json)
               if args.ray else {})
