@@ -4,7 +4,7 @@ against the compute quota, and the step's attention Max/Avg over the engines tha
 metric `SimResult.attention_ran_max_over_avg_first5` averages).
 
     python benchmarks/attention_steps.py [--setup ds660b_2p4d] [--agents 2048]
-        [--mode dualpath] [--mal 64k] [--first-share 0.05]
+        [--mode dualpath] [--mal 64k] [--first-share 0.05] [--cost NAME=VALUE ...]
 
 Runs the pure-Python simulator (same results as the compiled one; about a minute at 2,048
 agents) and wraps `Handlers._try_prefill` to read each started step; nothing is changed.
@@ -34,7 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mal", default="64k")
     ap.add_argument("--first-share", type=float, default=0.05,
                     help="summarize the steps started in this share of the run (default 0.05)")
+    ap.add_argument("--cost", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a cost coefficient (`CostCoefficients`), e.g. "
+                    "max_seqs_per_decode_engine=0 (no decode sequence cap); repeatable")
     args = ap.parse_args(argv)
+    overrides = []
+    for item in args.cost:
+        name, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--cost {item!r}: expected NAME=VALUE")
+        number = float(value)  # an integral value stays an int (e.g. the sequence cap)
+        overrides.append((name, int(number) if number.is_integer() else number))
     steps: list[tuple[float, int, list[float]]] = []
     """(start s, engines in the group, attention s of each engine that ran)."""
     original = sim_handlers.Handlers._try_prefill
@@ -54,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             for pairs in per_engine.values()]))
 
     sim_handlers.Handlers._try_prefill = wrapped  # type: ignore[method-assign]
-    result, _ = _simulate(RunSpec(args.setup, args.mode, args.agents, args.mal))
+    result, _ = _simulate(RunSpec(args.setup, args.mode, args.agents, args.mal,
+                                  cost_overrides=tuple(overrides)))
     until = args.first_share * result.jct_s
     early = [s for s in steps if s[0] < until and s[2]]
     if not early:
