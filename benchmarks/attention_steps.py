@@ -5,6 +5,7 @@ metric `SimResult.attention_ran_max_over_avg_first5` averages).
 
     python benchmarks/attention_steps.py [--setup ds660b_2p4d] [--agents 2048]
         [--mode dualpath] [--mal 64k] [--first-share 0.05] [--cost NAME=VALUE ...]
+        [--decode-cap-at assign|decode]
 
 Runs the pure-Python simulator (same results as the compiled one; about a minute at 2,048
 agents) and wraps `Handlers._try_prefill` to read each started step; nothing is changed.
@@ -16,13 +17,16 @@ import argparse
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 os.environ["DUALPATH_PURE_PYTHON"] = "1"  # the wrapper needs the interpreted Handlers
 
-from dualpath.experiments.runner import RunSpec, _simulate
+from dualpath.experiments.runner import RunSpec
 from dualpath.sched import cost as costmod
 from dualpath.sched.params import COMPUTE_QUOTA_S
 from dualpath.sim import handlers as sim_handlers
+from dualpath.sim import simulate
+from dualpath.sim.config import DECODE_CAP_AT
 from dualpath.sim.state import PrefillGroup
 
 
@@ -37,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost", action="append", default=[], metavar="NAME=VALUE",
                     help="override a cost coefficient (`CostCoefficients`), e.g. "
                     "max_seqs_per_decode_engine=0 (no decode sequence cap); repeatable")
+    ap.add_argument("--decode-cap-at", choices=DECODE_CAP_AT, default=None,
+                    help="where the decode sequence cap holds a turn back "
+                    "(`SimParams.decode_cap_at`; default: the simulator's, assign)")
     args = ap.parse_args(argv)
     overrides = []
     for item in args.cost:
@@ -64,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             for pairs in per_engine.values()]))
 
     sim_handlers.Handlers._try_prefill = wrapped  # type: ignore[method-assign]
-    result, _ = _simulate(RunSpec(args.setup, args.mode, args.agents, args.mal,
-                                  cost_overrides=tuple(overrides)))
+    cfg = RunSpec(args.setup, args.mode, args.agents, args.mal,
+                  cost_overrides=tuple(overrides)).config()
+    if args.decode_cap_at:
+        cfg = replace(cfg, params=replace(cfg.params, decode_cap_at=args.decode_cap_at))
+    result = simulate(cfg)
     until = args.first_share * result.jct_s
     early = [s for s in steps if s[0] < until and s[2]]
     if not early:

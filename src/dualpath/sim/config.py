@@ -17,6 +17,9 @@ from dualpath.sched.profiled import ProfiledCosts
 from dualpath.sim.workload import Workload
 
 DRIVERS = ("offline", "online", "replay")
+DECODE_CAP_AT = ("assign", "decode")
+"""Where the decode sequence cap applies (`SimParams.decode_cap_at`)."""
+
 READ_DISCIPLINES = ("fifo", "shared")
 
 # `Mode` is shared with the runtime (`dualpath.sched.mode`); re-exported for existing imports.
@@ -133,9 +136,20 @@ class SimParams:
     teardown per sequence, or the paper's DE-first wait through the PE queue, read and prefill
     when that is longer than ours). Not from the paper: an opt-in probe of issue 26's Fig. 9
     generation trend. 0: none (given back at the last token)."""
+    decode_cap_at: str = "assign"
+    """Where the decode sequence cap (`CostCoefficients.max_seqs_per_decode_engine`) holds a
+    turn back. `assign`: the DE scheduler counts it beside HBM when it gives the turn its decode
+    engine, before its read and prefill (a turn waits in the global queue). `decode`: the
+    scheduler checks HBM only (the paper's §6.1) and the cap counts the turns each decode engine
+    has admitted to decode (copy-in and decoding); a prefilled turn waits in its DE buffer for a
+    place, as a serving engine's running-request limit (vLLM `max_num_seqs`) holds a request in
+    its waiting queue. Issue 26: with `assign` the cap starves the prefill engines (Fig. 14)."""
 
     def __post_init__(self) -> None:
         o = "sim.params"
+        if self.decode_cap_at not in DECODE_CAP_AT:
+            raise SpecError(o, "decode_cap_at", self.decode_cap_at,
+                            f"must be one of {', '.join(DECODE_CAP_AT)}")
         positive_int(o, "block_size_tokens", self.block_size_tokens)
         positive_int(o, "max_batch_tokens", self.max_batch_tokens)
         non_negative(o, "inference_load_fraction", self.inference_load_fraction)

@@ -70,6 +70,8 @@ class Handlers:
         self.net = net
         self.policy = policy
         self.sched = policy.sched
+        self.decode_cap = policy.decode_cap
+        """The cap at decode admission (`SimParams.decode_cap_at`); 0: none here."""
         self.progress = progress
         # Read by nearly every handler: bound here once.
         self.engines: list[Engine] = cluster.engines
@@ -554,10 +556,24 @@ class Handlers:
             self._dispatch_pe()
 
     def _prefill_done(self, req: Req) -> None:
-        """The prompt KV is in the DE buffer and the first token exists: copy in, decode."""
+        """The prompt KV is in the DE buffer and the first token exists: copy in, decode (with
+        the cap at decode admission, once the DE has a place under it)."""
         req.prefill_done_at = self.loop.now_s
         self.ttft.add(req.arrived_at, req.prefill_done_at)
         de = self.engines[req.de_engine]
+        if self.decode_cap:
+            de.admit_fifo.append(req)
+            self._admit(de)
+        else:
+            self._enter_decode(req, de)
+
+    def _admit(self, de: Engine) -> None:
+        """Admit prefilled turns to decode, FIFO, while the DE has a place under the cap."""
+        while de.admit_fifo and de.num_admitted < self.decode_cap:
+            de.num_admitted += 1
+            self._enter_decode(de.admit_fifo.popleft(), de)
+
+    def _enter_decode(self, req: Req, de: Engine) -> None:
         if self.is_oracle:
             self._join_decode(req)
             return
@@ -719,6 +735,9 @@ class Handlers:
         now = self.loop.now_s
         req.done_at = now
         eng = self.engines[req.de_engine]
+        if self.decode_cap:
+            eng.num_admitted -= 1
+            self._admit(eng)
         charge = self.policy.de_charge(self.waiting.pop(req.request_id))
         release_at = req.de_assigned_at + self.params.decode_slot_hold_s
         if release_at > now:

@@ -32,11 +32,18 @@ class Policy:
     def __init__(self, config: SimConfig, coeffs: CostCoefficients, num_de_groups: int) -> None:
         cl = config.cluster
         base = config.scheduler or derive_scheduler_params(cl.model, cl.hardware, coeffs)
-        self.params: SchedulerParams = base.with_overrides(
+        params: SchedulerParams = base.with_overrides(
             **dict(config.scheduler_overrides),
             path_mode=PathMode(config.mode.paths),
             block_size_tokens=config.params.block_size_tokens,
         )
+        self.decode_cap = 0
+        """The decode sequence cap the simulator applies at decode admission
+        (`SimParams.decode_cap_at` = decode; the scheduler then checks HBM only); 0: none."""
+        if config.params.decode_cap_at == "decode":
+            self.decode_cap = params.max_seqs_per_decode_engine
+            params = params.with_overrides(max_seqs_per_decode_engine=0)
+        self.params = params
         self.is_dualpath = not config.mode.is_round_robin
         self.sched = Scheduler(self.params, num_de_groups,
                                is_round_robin=config.mode.is_round_robin,

@@ -149,6 +149,7 @@ class Engine:
     """One GPU: its compute NIC (two directions, PCIe-side), scheduler counters, queues."""
 
     __slots__ = (
+        "admit_fifo",
         "cnic_read",
         "cnic_write",
         "copy_fifo",
@@ -160,6 +161,7 @@ class Engine:
         "is_copying",
         "is_persisting",
         "node",
+        "num_admitted",
         "num_decoding",
         "num_seqs",
         "num_tokens",
@@ -190,6 +192,11 @@ class Engine:
         """DE: sum of the decoding requests' mean contexts (what a decode step reads)."""
         self.copy_fifo: deque[Req] = deque()
         """DE: prompts whose KV is complete in the DE buffer, waiting for copy-in (FIFO)."""
+        self.admit_fifo: deque[Req] = deque()
+        """DE with the cap at decode admission (`SimParams.decode_cap_at`): prefilled turns
+        waiting in the DE buffer for a place under the cap (FIFO)."""
+        self.num_admitted = 0
+        """DE: turns admitted to decode (copy-in or decoding) under that cap."""
         self.is_copying = False
         self.persist_pending_bytes = 0.0
         """DE: bytes of new Full Blocks waiting for the next persistence transfer."""
