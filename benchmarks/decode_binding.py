@@ -5,14 +5,15 @@ generation trend moves when the cap is lifted or changed.
     python benchmarks/decode_binding.py [--gens 1,1.5,2,3] [--modes oracle,dualpath]
         [--caps packaged,0,30] [--scales 1] [--agents 1024] [--mal 64k] [--csv PATH]
     python benchmarks/decode_binding.py --objective --scales 1,1.2 --caps packaged,30,0
-        [--gens 1,3] [--holds 0,6.5] [--csv PATH]
+        [--gens 1,3] [--holds 0,6.5] [--cap-ats assign,decode] [--csv PATH]
 
 `--objective` evaluates, for each (k, cap), the calibration's objective as
 `experiments.calibrate.calibrate_setup` does (Oracle JCTs at its fit cells, log residuals
 against Fig. 7, RMS), the held-out 48K cells, and the Oracle generation trend at 64K 1,024
 agents (JCT at each `--gens` over that at 1x). Nothing is fitted or written. `--holds` adds
 `SimParams.decode_slot_hold_s` values (seconds a turn holds its DE seat and HBM at least,
-from its DE assignment; 0: the default).
+from its DE assignment; 0: the default); `--cap-ats` `SimParams.decode_cap_at` values (where
+the cap holds a turn back: at DE assignment, the default, or at decode admission).
 
 Each point is `RunSpec(setup, mode, agents, mal, gen_factor=G)` with cost overrides
 `max_seqs_per_decode_engine=cap` (0: no cap, HBM alone limits) and, for `--scales k`,
@@ -148,29 +149,32 @@ def overrides(base: CostCoefficients, k: float, cap: int, prefill_k: float = 1.0
     return tuple(ov.items())
 
 
-def _jct(spec: RunSpec, hold: float) -> float:
-    """The run's JCT with `SimParams.decode_slot_hold_s = hold` (0: `_simulate`'s run)."""
-    if hold == 0.0:
+def _jct(spec: RunSpec, hold: float, cap_at: str = "assign") -> float:
+    """The run's JCT with `SimParams.decode_slot_hold_s = hold` and `decode_cap_at = cap_at`
+    (0 and assign, the defaults: `_simulate`'s run)."""
+    if hold == 0.0 and cap_at == "assign":
         return _simulate(spec)[0].jct_s
     cfg = spec.config()
-    return simulate(replace(cfg, params=replace(cfg.params, decode_slot_hold_s=hold))).jct_s
+    return simulate(replace(cfg, params=replace(cfg.params, decode_slot_hold_s=hold,
+                                                decode_cap_at=cap_at))).jct_s
 
 
 def objective(setup_name: str, scales: list[float], caps: list[str], gens: list[float],
               csv_path: Path | None, prefill_scales: list[float],
-              attention_scales: list[float], holds: tuple[float, ...] = (0.0,)) -> None:
+              attention_scales: list[float], holds: tuple[float, ...] = (0.0,),
+              cap_ats: tuple[str, ...] = ("assign",)) -> None:
     """The calibration objective and the generation trend at each (k, cap, prefill k); see
     module doc."""
     base = costmod.load_cost_coefficients(setup(setup_name).model, HARDWARE)
     fit = CALIBRATION_CELLS[setup_name]
-    cols = ["k", "prefill_k", "attention_k", "cap", "hold_s", "rms_fit", "rms_48k",
+    cols = ["k", "prefill_k", "attention_k", "cap", "hold_s", "cap_at", "rms_fit", "rms_48k",
             *(f"{a}@{m}" for a, m in (*fit, *HOLDOUT_CELLS)), *(f"gen{g:g}" for g in gens),
             "1024@64k_s"]
     print(" | ".join(cols))
     rows = []
-    for k, cap_s, pk, ak, hold in ((k, c, p, a, h) for k in scales for c in caps
-                                   for p in prefill_scales for a in attention_scales
-                                   for h in holds):
+    for k, cap_s, pk, ak, hold, at in ((k, c, p, a, h, t) for k in scales for c in caps
+                                       for p in prefill_scales for a in attention_scales
+                                       for h in holds for t in cap_ats):
         cap = base.max_seqs_per_decode_engine if cap_s == "packaged" else int(cap_s)
         ov = overrides(base, k, cap, pk, ak)
         res: dict[str, float] = {}
@@ -178,16 +182,17 @@ def objective(setup_name: str, scales: list[float], caps: list[str], gens: list[
         for a, m in (*fit, *HOLDOUT_CELLS):
             p = fig7_point(setup_name, a, m)
             assert p is not None
-            jct = _jct(RunSpec(setup_name, "oracle", a, m, cost_overrides=ov), hold)
+            jct = _jct(RunSpec(setup_name, "oracle", a, m, cost_overrides=ov), hold, at)
             res[f"{a}@{m}"] = jct / p.jct_s["oracle"] - 1.0
             logs["fit" if (a, m) in fit else "48k"].append(math.log(jct / p.jct_s["oracle"]))
-        g1 = _jct(RunSpec(setup_name, "oracle", 1024, "64k", cost_overrides=ov), hold)
+        g1 = _jct(RunSpec(setup_name, "oracle", 1024, "64k", cost_overrides=ov), hold, at)
         for g in gens:
             jg = _jct(RunSpec(setup_name, "oracle", 1024, "64k", gen_factor=g,
-                              cost_overrides=ov), hold) if g != 1.0 else g1
+                              cost_overrides=ov), hold, at) if g != 1.0 else g1
             res[f"gen{g:g}"] = jg / g1
         res["1024@64k_s"] = g1
         row = {"k": k, "prefill_k": pk, "attention_k": ak, "cap": cap, "hold_s": hold,
+               "cap_at": at,
                "rms_fit": rms_of(logs["fit"]), "rms_48k": rms_of(logs["48k"]), **res}
         rows.append(row)
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c])
@@ -213,6 +218,9 @@ def main() -> int:
                     help="--objective: comma-separated further slow-downs of attention alone")
     ap.add_argument("--holds", default="0",
                     help="--objective: comma-separated SimParams.decode_slot_hold_s values (s)")
+    ap.add_argument("--cap-ats", default="assign",
+                    help="--objective: comma-separated SimParams.decode_cap_at values "
+                    "(assign: the default; decode: the cap counted at decode admission)")
     ap.add_argument("--agents", type=int, default=1024)
     ap.add_argument("--mal", default="64k")
     ap.add_argument("--setup", default=SETUP)
@@ -225,7 +233,8 @@ def main() -> int:
                   args.caps.split(","), [float(v) for v in args.gens.split(",")], args.csv,
                   [float(v) for v in args.prefill_scales.split(",")],
                   [float(v) for v in args.attention_scales.split(",")],
-                  tuple(float(v) for v in args.holds.split(",")))
+                  tuple(float(v) for v in args.holds.split(",")),
+                  tuple(args.cap_ats.split(",")))
         return 0
     s = setup(args.setup)
     base = costmod.load_cost_coefficients(s.model, HARDWARE)
