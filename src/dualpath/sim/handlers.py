@@ -5,6 +5,7 @@ event handlers (paper Fig. 4 and §4.2).
                                                                  both engines bound (sched)
       -> _start_reads -> _next_read (storage NIC read server) -> _read_done
       -> _try_prefill (one step per prefill group) -> _step_part_done -> _prefill_done
+      -> [_admit: the cap at decode admission, SimParams.decode_cap_at = decode]
       -> _next_copy (DE buffer -> HBM) -> _join_decode -> _decode_event -> _finish
          (-> _persist of the new Full Blocks; the agent's next turn arrives, after
          turn_return_s)
@@ -574,6 +575,7 @@ class Handlers:
             self._enter_decode(de.admit_fifo.popleft(), de)
 
     def _enter_decode(self, req: Req, de: Engine) -> None:
+        """The turn goes on to decode: straight in (Oracle), else through its DE's copy-in."""
         if self.is_oracle:
             self._join_decode(req)
             return
