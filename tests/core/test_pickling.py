@@ -42,3 +42,21 @@ def test_only_dataclasses_with_init_fields_can_register() -> None:
         pickle_by_fields(Plain)
     with pytest.raises(TypeError, match="outside __init__"):
         pickle_by_fields(Derived)
+
+
+def test_user_facing_errors_survive_a_process_boundary() -> None:
+    """A bad spec raised in a worker (`Runner(jobs=N)`) reaches the parent as itself, with its
+    one-line message, not as a broken process pool."""
+    from dualpath.core.errors import SpecError, UnknownPresetError
+    from dualpath.workload.trace_errors import TraceFormatError
+
+    errors: list[Exception] = [
+        SpecError("scheduler", "beta_tokens", "x", "must be a number"),
+        UnknownPresetError("mode", "fast", ["basic", "dualpath"]),
+        TraceFormatError("t.jsonl", 3, "must be >= 0", field="input_length"),
+        TraceFormatError("t.jsonl", 0, "empty file"),
+    ]
+    for err in errors:
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert vars(back) == vars(err)

@@ -12,6 +12,11 @@ class TraceFormatError(DualPathError, ValueError):
         self.path = path
         self.line = line
         self.field = field
+        self.why = why
         where = f"{path}:{line}: " if line > 0 else f"{path}: "
         what = f"field {field!r}: " if field else ""
         super().__init__(f"{where}{what}{why}")
+
+    def __reduce__(self) -> tuple[type[TraceFormatError], tuple[str, int, str, str | None]]:
+        # Raised in a worker process (a sweep's trace), it must unpickle in the parent.
+        return type(self), (self.path, self.line, self.why, self.field)
