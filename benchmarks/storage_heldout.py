@@ -26,11 +26,10 @@ from pathlib import Path
 
 from dualpath.core.storage import StorageReadModel
 from dualpath.experiments.offline import ABLATION, PAPER_ABLATION_REDUCTION
-from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.runner import Runner, RunSpec, block_bytes, storage_fraction
 from dualpath.experiments.setups import setup
 from dualpath.experiments.storage_fit import (
     FIT_SETUP,
-    block_bytes,
     fit_block_bytes,
     model_of,
     packaged_model,
@@ -42,15 +41,9 @@ FACTORS = (0.5, 1.0, 2.0, 4.0)
 SYSTEMS = ("oracle", "dualpath", "basic")
 
 
-def fraction(model: StorageReadModel, name: str) -> float:
-    """The fraction of its line rate a setup's storage NIC reads that setup's blocks at."""
-    nominal = setup(name).cluster().hardware.storage_nic_bytes_per_s
-    return model.read_bytes_per_s(nominal, block_bytes(name)) / nominal
-
-
 def queued_model() -> StorageReadModel:
     """The `queued` form reading the fitted setup's blocks at the packaged model's rate."""
-    return model_of("queued", fraction(packaged_model(), FIT_SETUP))
+    return model_of("queued", storage_fraction(packaged_model(), FIT_SETUP))
 
 
 def cells(which: Iterable[str]) -> list[tuple[str, dict[str, object]]]:
@@ -96,7 +89,7 @@ def main() -> int:
     flat, queued = packaged_model(), queued_model()
     print(f"packaged: {flat.describe()}\nqueued:   {queued.describe()}")
     names = ("ds27b_1p1d", "ds660b_2p4d", "qwen32b_1p2d")
-    frac = {f: {n: fraction(m, n) for n in names} for f, m in (("flat", flat),
+    frac = {f: {n: storage_fraction(m, n) for n in names} for f, m in (("flat", flat),
                                                                 ("queued", queued))}
     for n in names:
         s = block_bytes(n)

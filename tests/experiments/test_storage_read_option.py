@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.storage import NOMINAL, parse_storage_read
-from dualpath.experiments.extensions import _storage_words
+from dualpath.experiments.extensions import storage_words
 from dualpath.experiments.online import point_spec
 from dualpath.experiments.report import Context
 from dualpath.experiments.runner import run_storage, storage_fraction
@@ -35,5 +35,5 @@ def test_online_points_carry_the_chosen_read_model(tmp_path: Path) -> None:
     spec = point_spec(ctx, "qwen32b_1p2d", "basic", 0.1)
     assert spec.storage == run_storage(queued, "qwen32b_1p2d")
     assert spec.config().params.storage_read is not None
-    assert "queued: 16.0 reads in flight" in _storage_words(ctx, "qwen32b_1p2d")
-    assert "calibrated record" in _storage_words(plain, "qwen32b_1p2d")
+    assert "queued: 16.0 reads in flight" in storage_words(ctx, "qwen32b_1p2d")
+    assert "calibrated record" in storage_words(plain, "qwen32b_1p2d")

@@ -204,7 +204,7 @@ def bottleneck(fail: OnlinePoint | None) -> str:
     return f"{why} at {fail.aps:.3f} APS; largest TTFT part: {top}"
 
 
-def _storage_words(ctx: Context, setup_name: str) -> str:
+def storage_words(ctx: Context, setup_name: str) -> str:
     """How the advisor's runs read storage, in one sentence."""
     if ctx.storage_read is None:
         return "Storage reads: the hardware's calibrated record."
@@ -246,7 +246,7 @@ def advise(
             f"to {2**MAX_DOUBLINGS}x), halved while it fails (down to 1/{2**MAX_HALVINGS}), then "
             "bisected; `>= X` met the SLO even at the highest APS tried (a lower bound, ranked "
             "by X), `< X` failed even at the lowest. SLO TTFT <= 4 s, "
-            f"TPOT <= 50 ms. {_storage_words(ctx, setup_name)} "
+            f"TPOT <= 50 ms. {storage_words(ctx, setup_name)} "
             f"**Recommended: {best.label}** ({1e3 * best.aps_per_gpu:.2f} mAPS per GPU)"
             + (f"; runner-up {runner_up.label} ({1e3 * runner_up.aps_per_gpu:.2f})."
                if runner_up else ".") + "\n\n"

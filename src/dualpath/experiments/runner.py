@@ -143,15 +143,19 @@ NOMINAL_STORAGE = (1.0, 0.0)
 """`RunSpec.storage` of a run whose storage NICs move KV at their line rate."""
 
 
+def block_bytes(setup_name: str) -> float:
+    """Bytes of one Full Block of a setup's model at its block size (a profiled engine's own,
+    else the simulator's)."""
+    s = setup(setup_name)
+    params = s.sim_kwargs().get("params", SimParams())
+    return float(s.cluster().model.kv_bytes_per_token * params.block_size_tokens)
+
+
 def storage_fraction(model: StorageReadModel, setup_name: str) -> float:
     """The fraction of its line rate a setup's storage NIC reads that setup's Full Blocks at
     under `model`."""
-    s = setup(setup_name)
-    cl = s.cluster()
-    params = s.sim_kwargs().get("params", SimParams())
-    nominal = cl.hardware.storage_nic_bytes_per_s
-    block = float(cl.model.kv_bytes_per_token * params.block_size_tokens)
-    return model.read_bytes_per_s(nominal, block) / nominal
+    nominal = setup(setup_name).cluster().hardware.storage_nic_bytes_per_s
+    return model.read_bytes_per_s(nominal, block_bytes(setup_name)) / nominal
 
 
 def run_storage(model: StorageReadModel, setup_name: str) -> tuple[float, float]:

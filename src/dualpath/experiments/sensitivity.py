@@ -22,7 +22,7 @@ from dualpath.experiments import plots
 from dualpath.experiments.calibrate import rms_of
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.report import Context, Section, md_table, write_csv
-from dualpath.experiments.runner import NOMINAL_STORAGE, RunSpec, storage_fraction
+from dualpath.experiments.runner import NOMINAL_STORAGE, RunSpec, block_bytes, storage_fraction
 from dualpath.experiments.setups import setup
 from dualpath.experiments.storage_fit import (
     FIT_CELLS,
@@ -30,8 +30,6 @@ from dualpath.experiments.storage_fit import (
     FIT_SYSTEM,
     FORM,
     STORAGE_RECORD,
-    block_bytes,
-    fit_block_bytes,
     fits_from_json,
     model_of,
     packaged_model,
@@ -46,13 +44,10 @@ def _rate_pct(model: StorageReadModel, name: str) -> float:
     return 100.0 * storage_fraction(model, name)
 
 
-
-
 def other_form(model: StorageReadModel) -> StorageReadModel:
     """The candidate form the packaged one is compared with, at the same fitted rate: the
     3FS-derived `queued` form beside a `flat` or `per_block` record, `flat` beside `queued`."""
-    nominal = setup(FIT_SETUP).cluster().hardware.storage_nic_bytes_per_s
-    fraction = model.read_bytes_per_s(nominal, fit_block_bytes()) / nominal
+    fraction = storage_fraction(model, FIT_SETUP)
     return model_of("flat" if model.form == "queued" else "queued", fraction)
 
 

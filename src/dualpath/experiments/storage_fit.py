@@ -31,9 +31,8 @@ from dualpath.core.storage import (
 )
 from dualpath.experiments.calibrate import CalibrationError, CellFit, rms_of
 from dualpath.experiments.paper import Fig7Point, fig7
-from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.runner import Runner, RunSpec, block_bytes, storage_fraction
 from dualpath.experiments.setups import HARDWARE, setup
-from dualpath.sim import SimParams
 
 FIT_SETUP = "ds27b_1p1d"
 FIT_SYSTEM = "basic"
@@ -84,12 +83,6 @@ class StorageFit:
     rms_log_before: float
     rms_log_after: float
     agent_divisor: int = 1
-
-
-def block_bytes(setup_name: str) -> float:
-    """Bytes of one Full Block of a setup's model at the simulator's block size."""
-    model = setup(setup_name).cluster().model
-    return float(model.kv_bytes_per_token * SimParams().block_size_tokens)
 
 
 def fit_block_bytes() -> float:
@@ -190,8 +183,7 @@ def calibrate_storage(runner: Runner, *, agent_divisor: int = 1) -> list[Storage
     """Fit the rate once; the recorded form first, then the other form at the same rate
     (its fitted cells are the same runs: the simulator sees only the rate)."""
     first = fit_storage(runner, FORM, agent_divisor=agent_divisor)
-    nominal = setup(FIT_SETUP).cluster().hardware.storage_nic_bytes_per_s
-    fraction = first.model.read_bytes_per_s(nominal, fit_block_bytes()) / nominal
+    fraction = storage_fraction(first.model, FIT_SETUP)
     note = first.model.source.replace(f"({FORM})", f"(as {FORM}, at the same rate)")
     others = [replace(first, form=f, model=model_of(f, fraction, note))
               for f in STORAGE_FORMS if f != FORM]

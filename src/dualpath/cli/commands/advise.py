@@ -13,10 +13,10 @@ from typing import Any
 from dualpath.cli.common import STORAGE_READ_HELP, storage_read_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.deploy import deployment, render
-from dualpath.experiments.extensions import advise
+from dualpath.experiments.extensions import advise, storage_words
 from dualpath.experiments.ray_backend import RAY_HELP, join
 from dualpath.experiments.report import Context, section_markdown
-from dualpath.experiments.runner import Runner, RunSpec, mal_tokens, storage_fraction
+from dualpath.experiments.runner import Runner, RunSpec, mal_tokens
 from dualpath.experiments.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
 from dualpath.experiments.step_profile import load_profile
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
@@ -137,9 +137,7 @@ def run(args: argparse.Namespace) -> int:
     mal_tokens(trace)  # a bad --mal is one line
     ctx = Context(args.out, runner, args.quick, mals=(trace,),
                   online_duration_s=args.duration, storage_read=storage)
-    if storage is not None:
-        print(f"storage reads: {storage.describe()}: {storage_fraction(storage, name):.3f} of "
-              "the line rate for this model's Full Blocks", file=sys.stderr)
+    print(storage_words(ctx, name), file=sys.stderr)
     if args.ray:
         runner.ray = join(args.ray)
     try:
