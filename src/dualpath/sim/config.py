@@ -143,7 +143,9 @@ class SimParams:
     scheduler checks HBM only (the paper's §6.1) and the cap counts the turns each decode engine
     has admitted to decode (copy-in and decoding); a prefilled turn waits in its DE buffer for a
     place, as a serving engine's running-request limit (vLLM `max_num_seqs`) holds a request in
-    its waiting queue. Issue 26: with `assign` the cap starves the prefill engines (Fig. 14)."""
+    its waiting queue. An opt-in probe (issue 26): it leaves the prefill engines as starved in
+    Fig. 14 as `assign` does (the run stays decode-bound) and steepens Fig. 9's generation trend
+    (docs/figures/full/ablation_1024_2048/addendum_fig12.md, docs/figures/addendum_fig9.md)."""
 
     def __post_init__(self) -> None:
         o = "sim.params"
