@@ -130,7 +130,12 @@ These causes apply to every section; each section's tables show how large the di
    on a dense model and Qwen's uncalibrated cost model (item 6; its Oracle is -14% to +25% of
    the paper's) remain open. Our KV size is not the cause of the gap: the paper's
    own Table 1 (section `table1`) implies a smaller KV per token for DeepSeek-V3.2 than our
-   preset stores, which would make the DS 660B mismatch larger.
+   preset stores, which would make the DS 660B mismatch larger. A latency of each request's
+   own read (at most N Full Block reads in flight at 3FS#410's per-read cost, the opt-in
+   `SimParams.read_streams_per_request`) slows DualPath where storage is not saturated, as the
+   paper's is, but no one N serves the three models: DS 660B's DualPath needs N >= 4, DS 27B's
+   32K cells and Qwen's speedup N = 1-2, where Qwen's 64K cells overshoot (section `storage`,
+   "A bound on each request's own reads"; `benchmarks/read_streams.py`).
 9. **The +layerwise ablation step.** Without layerwise prefill a prefill engine must hold a
    request's whole KV in HBM: our Basic reads land in the PE's HBM, which holds each request's
    KV from its read's start until it has left for the decode side (`sim.handlers`,

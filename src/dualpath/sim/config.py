@@ -136,6 +136,21 @@ class SimParams:
     teardown per sequence, or the paper's DE-first wait through the PE queue, read and prefill
     when that is longer than ours). Not from the paper: an opt-in probe of issue 26's Fig. 9
     generation trend. 0: none (given back at the last token)."""
+    read_streams_per_request: int = 0
+    """Full Block reads one request keeps in flight on its storage NIC (0: no bound, a read
+    takes whatever share of the NIC it gets). With N > 0 each request's read is also capped at
+    N x S / (L + S / r), one stream's rate for Full Blocks of S bytes from the storage model's
+    per-read latency `L` and stream rate `r` (3FS#410's 0.514 ms and 1.259 GB/s unless the model
+    says otherwise), so at light load a turn's read takes its latency, not its bytes over the
+    NIC's rate; the NIC's own rate still caps the node's reads together. Needs the `shared`
+    read discipline on both sides (a `fifo` node reads one request at a time, which a capped
+    request would leave mostly idle). Not from the paper: an opt-in probe of issue 26 (why the
+    paper's DualPath is slower than ours where storage is not saturated: DS 27B at 32K, Qwen,
+    Fig. 8's 1P2D); 3FS#410 measured 32 jobs of one read each (iodepth 1). Found: no one N
+    serves the three models (DS 660B's DualPath needs N >= 4, DS 27B's 32K DualPath and
+    Qwen's speedup N = 1-2, where Qwen's 64K cells overshoot), and it leaves the +layerwise
+    step at Basic's JCT (docs/figures/full/storage/addendum_storage.md;
+    `benchmarks/read_streams.py`)."""
     decode_cap_at: str = "assign"
     """Where the decode sequence cap (`CostCoefficients.max_seqs_per_decode_engine`) holds a
     turn back. `assign`: the DE scheduler counts it beside HBM when it gives the turn its decode
@@ -171,6 +186,11 @@ class SimParams:
         non_negative(o, "turn_dispatch_s", self.turn_dispatch_s)
         non_negative(o, "turn_return_s", self.turn_return_s)
         non_negative(o, "decode_slot_hold_s", self.decode_slot_hold_s)
+        non_negative_int(o, "read_streams_per_request", self.read_streams_per_request)
+        if self.read_streams_per_request and "fifo" in (self.pe_reads.kind, self.de_reads.kind):
+            raise SpecError(o, "read_streams_per_request", self.read_streams_per_request,
+                            "needs the shared read discipline on both sides (pe_reads, "
+                            "de_reads): a fifo node reads one request at a time")
 
 
 @dataclass(frozen=True)

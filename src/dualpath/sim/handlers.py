@@ -320,6 +320,10 @@ class Handlers:
         storage_link = self.cluster.storage_link
         if storage_link is not None:
             links.append((storage_link, 1.0))
+        stream_cap = self.cluster.read_stream_cap_bytes_per_s
+        if stream_cap > 0.0:  # this request's own streams (a link only its read uses)
+            links.append((Link("read_streams", "read_streams", nd.idx, stream_cap,
+                               self.params.utilization_bin_s), 1.0))
 
         def done() -> None:
             nd.num_reading -= 1

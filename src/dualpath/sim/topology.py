@@ -56,6 +56,11 @@ class Cluster:
         storage = sp.storage_read or storage_read_model(self.hw.name)
         snic_read_bytes_per_s = storage.read_bytes_per_s(
             self.hw.storage_nic_bytes_per_s, self.kv_bpt * self.block)
+        full_block = self.kv_bpt * self.block
+        self.read_stream_cap_bytes_per_s = (
+            sp.read_streams_per_request * full_block / storage.read_time_s(full_block)
+            if sp.read_streams_per_request else 0.0)
+        """The most one request's read moves (`SimParams.read_streams_per_request`); 0: none."""
         cnic = min(self.hw.compute_nic_bytes_per_s, self.hw.pcie_bytes_per_s)
         self.cnic_bytes_per_s = cnic
         self.storage_link = (
