@@ -46,10 +46,12 @@ MODES = ("basic", "dualpath")
 """The default modes (`--modes` takes any `Mode` preset: layerwise for Fig. 12's first step)."""
 
 
-def run_cell(args: tuple[str, int, int, str, int, str, str, str]) -> dict[str, Any]:
-    """One simulation: (setup, P, D, mode, agents, MAL, variant, storage) -> its summary."""
-    setup, p, d, mode, agents, mal, variant, storage = args
+def run_cell(args: tuple[str, int, int, str, int, str, str, str, str]) -> dict[str, Any]:
+    """One simulation: (setup, P, D, mode, agents, MAL, variant, storage, decode cap at) ->
+    its summary."""
+    setup, p, d, mode, agents, mal, variant, storage, cap_at = args
     cfg = RunSpec(setup, mode, agents, mal, num_prefill_nodes=p, num_decode_nodes=d).config()
+    cfg = replace(cfg, params=replace(cfg.params, decode_cap_at=cap_at))
     if storage != "calibrated":
         cfg = replace(cfg, params=replace(cfg.params, storage_read=parse_storage_read(storage)))
     if variant != "fifo":
@@ -63,7 +65,8 @@ def run_cell(args: tuple[str, int, int, str, int, str, str, str]) -> dict[str, A
     paper = point.jct_s.get(mode) if point is not None else None
     wall = time.perf_counter() - t0
     return {"setup": setup, "pd": f"{p}P{d}D" if p else "", "mode": mode, "agents": agents,
-            "mal": mal, "variant": variant, "storage": storage, "jct_s": r.jct_s,
+            "mal": mal, "variant": variant, "storage": storage, "decode_cap_at": cap_at,
+            "jct_s": r.jct_s,
             "paper_jct_s": paper, "read_s": r.ttft_breakdown_s()["read"],
             "wall_s": wall}
 
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage-read", default="calibrated", metavar="MODEL",
                     help="the storage read model, as `dualpath simulate --storage-read` "
                     "(default: %(default)s, the packaged flat 0.538)")
+    ap.add_argument("--decode-cap-at", default="assign", choices=("assign", "decode"),
+                    help="where the decode sequence cap holds a turn back "
+                    "(`SimParams.decode_cap_at`; default: %(default)s, the simulator's)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--log", type=Path, help="append one JSON line per run here")
     ap.add_argument("--from-log", type=Path, metavar="RUNS.jsonl",
@@ -165,17 +171,18 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--sets: unknown set {s!r} (known: {', '.join(SETS)})")
     variants = ["fifo", "shared", *args.streams.split(",")]
     parse_storage_read(args.storage_read)  # a bad value fails here, with its message
-    cells = [(*SETS[s], m, int(n), mal, v, args.storage_read) for s in args.sets.split(",")
-             for mal in args.mals.split(",") for n in args.agents.split(",")
-             for m in args.modes.split(",") for v in variants]
+    cells = [(*SETS[s], m, int(n), mal, v, args.storage_read, args.decode_cap_at)
+             for s in args.sets.split(",") for mal in args.mals.split(",")
+             for n in args.agents.split(",") for m in args.modes.split(",") for v in variants]
     t0 = time.perf_counter()
     if args.from_log:
         logged = [json.loads(line) for line in args.from_log.read_text().splitlines() if line]
         # A cell run again (the same variant in two invocations) counts once: the last.
-        for r in logged:
-            r.setdefault("storage", "calibrated")  # lines logged before --storage-read
+        for r in logged:  # lines logged before --storage-read / --decode-cap-at
+            r.setdefault("storage", "calibrated")
+            r.setdefault("decode_cap_at", "assign")
         rows = list({(r["setup"], r["pd"], r["mode"], r["agents"], r["mal"], r["variant"],
-                      r["storage"]): r for r in logged}.values())
+                      r["storage"], r["decode_cap_at"]): r for r in logged}.values())
     else:
         with ProcessPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(run_cell, cells))
@@ -183,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         with args.log.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    for storage in sorted({str(r["storage"]) for r in rows}):
-        mine = [r for r in rows if r["storage"] == storage]
-        print(f"\nStorage read model: {storage}\n")
+    for storage, cap_at in sorted({(str(r["storage"]), str(r["decode_cap_at"])) for r in rows}):
+        mine = [r for r in rows if (r["storage"], r["decode_cap_at"]) == (storage, cap_at)]
+        print(f"\nStorage read model: {storage}; decode cap at: {cap_at}\n")
         print_table(mine)
         print_summary(mine)
     if not args.from_log:
