@@ -321,9 +321,10 @@ class Handlers:
         if storage_link is not None:
             links.append((storage_link, 1.0))
         stream_cap = self.cluster.read_stream_cap_bytes_per_s
-        if stream_cap > 0.0:  # this request's own streams (a link only its read uses)
+        if stream_cap > 0.0:  # this request's own streams (a link only its read uses; one
+            # time bin, as nothing reads its utilization series)
             links.append((Link("read_streams", "read_streams", nd.idx, stream_cap,
-                               self.params.utilization_bin_s), 1.0))
+                               math.inf), 1.0))
 
         def done() -> None:
             nd.num_reading -= 1
