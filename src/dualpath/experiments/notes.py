@@ -157,4 +157,14 @@ These causes apply to every section; each section's tables show how large the di
    and the large cluster finished in 0.71x the small one's JCT with half its TPOT (measured at
    commit 2a3676c, with the earlier one-factor calibration), a gain from retuned parallelism
    that the paper's scale-out does not claim.
+11. **DS 27B's decode overhead.** The paper says DS 27B's Basic and DualPath TPOT sit "well
+   above" Oracle's, from P-D transfer overhead in small models, and leaves it as future work
+   (section 7.4); it gives no size. Our decode step is charged for its compute and HBM reads
+   only, never for the KV transfers beside it (copy-in, persistence), so at the same arrival
+   rate our three modes decode alike (Fig. 11 claim; DS 27B at 0.15 / 0.225 / 0.2625 APS, where
+   all three keep up: Basic 14.5 / 15.0 / 15.3 ms, DualPath 14.3 / 14.7 / 15.1, Oracle 14.4 /
+   14.6 / 14.7). The overhead would also lengthen the paper's DS 27B
+   DualPath where storage is not saturated (its Fig. 7 32K cells, where ours are 13% and 22% short
+   at 512 and 1,024 agents), which a per-request read latency does not explain for all models
+   (item 8). Sizing it would be a fit to cells the issue keeps held out, so it stays out.
 """
