@@ -144,7 +144,7 @@ STORAGE_READ_HELP = (
     "(default: %(default)s)")
 
 
-def add_storage_read_arg(group: argparse._ArgumentGroup) -> None:
+def add_storage_read_arg(group: argparse._ActionsContainer) -> None:
     """--storage-read: the storage NICs' read model (`parse_storage_read`)."""
     group.add_argument("--storage-read", default="calibrated",
                        metavar="calibrated|nominal|flat:F|queued[:C]", help=STORAGE_READ_HELP)

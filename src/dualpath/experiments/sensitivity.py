@@ -22,7 +22,13 @@ from dualpath.experiments import plots
 from dualpath.experiments.calibrate import rms_of
 from dualpath.experiments.paper import fig7_point
 from dualpath.experiments.report import Context, Section, md_table, write_csv
-from dualpath.experiments.runner import NOMINAL_STORAGE, RunSpec, block_bytes, storage_fraction
+from dualpath.experiments.runner import (
+    NOMINAL_STORAGE,
+    RunSpec,
+    block_bytes,
+    run_storage,
+    storage_fraction,
+)
 from dualpath.experiments.setups import setup
 from dualpath.experiments.storage_fit import (
     FIT_CELLS,
@@ -55,9 +61,8 @@ def _storage_of(model: StorageReadModel, name: str) -> tuple[float, float] | Non
     """`RunSpec.storage` that reads `name`'s blocks as `model` does (the simulator sees one
     rate per node, that of the model's block size); None where that is the packaged rate
     (the fitted setup's: the same runs)."""
-    fraction = storage_fraction(model, name)
-    packaged = storage_fraction(packaged_model(), name)
-    return None if math.isclose(fraction, packaged) else (fraction, 0.0)
+    spec = run_storage(model, name)
+    return None if math.isclose(spec[0], storage_fraction(packaged_model(), name)) else spec
 
 
 def _is_fitted(name: str, system: str, agents: int, mal: str) -> bool:

@@ -54,9 +54,9 @@ class Cluster:
         bin_s = sp.utilization_bin_s
         # KV reads run at the storage system's calibrated rate; writes at the line rate.
         storage = sp.storage_read or storage_read_model(self.hw.name)
-        snic_read_bytes_per_s = storage.read_bytes_per_s(
-            self.hw.storage_nic_bytes_per_s, self.kv_bpt * self.block)
         full_block = self.kv_bpt * self.block
+        snic_read_bytes_per_s = storage.read_bytes_per_s(
+            self.hw.storage_nic_bytes_per_s, full_block)
         self.read_stream_cap_bytes_per_s = (
             sp.read_streams_per_request * full_block / storage.read_time_s(full_block)
             if sp.read_streams_per_request else 0.0)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dualpath.cli.common import STORAGE_READ_HELP, storage_read_from_args
+from dualpath.cli.common import add_storage_read_arg, storage_read_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.experiments.deploy import deployment, render
 from dualpath.experiments.extensions import advise, storage_words
@@ -58,8 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "results are identical to a serial run")
     p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines or bar")
-    p.add_argument("--storage-read", default="calibrated",
-                   metavar="calibrated|nominal|flat:F|queued[:C]", help=STORAGE_READ_HELP)
+    add_storage_read_arg(p)
     p.add_argument("--profile", metavar="FILE",
                    help="simulate the engine measured by `dualpath profile` (this file): its "
                    "step costs instead of the roofline model, its model and run configuration "
