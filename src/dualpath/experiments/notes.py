@@ -167,4 +167,14 @@ These causes apply to every section; each section's tables show how large the di
    DualPath where storage is not saturated (its Fig. 7 32K cells, where ours are 13% and 22% short
    at 512 and 1,024 agents), which a per-request read latency does not explain for all models
    (item 8). Sizing it would be a fit to cells the issue keeps held out, so it stays out.
+   Its likeliest carrier, the KV a decode GPU's CNIC takes in (P-D transfers and copy-in), is
+   measured but charges no decode time: 11.7% of that CNIC's time in Basic and 12.1% in
+   DualPath (DS 27B 1P1D, 32K, 512 agents), 7.7% in DualPath on DS 660B 2P4D (64K, 1,024
+   agents; `dualpath simulate --json`, `resources.de_cnic_write`). Were that traffic to stall
+   the decode of the engine receiving it, each engine alone would lose about 12% (DS 27B) and
+   8% (DS 660B): the size DS 27B's gap asks, but not a small-model effect; and the engines of an
+   expert-parallel group step together, so one engine's stall stalls its node's eight, which
+   with independent arrivals would hold the group about 1 - 0.88^8 = 64% of the time. So the
+   paper's overhead must be mostly overlapped, and the part that is not is the size it does
+   not give (arithmetic on measured shares, 2026-12-05; not simulated).
 """
