@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dualpath.core.storage import StorageReadModel
-from dualpath.experiments.offline import ABLATION, PAPER_ABLATION_REDUCTION
+from dualpath.experiments.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
 from dualpath.experiments.runner import Runner, RunSpec, block_bytes, storage_fraction
 from dualpath.experiments.setups import setup
 from dualpath.experiments.storage_fit import (
@@ -37,7 +37,7 @@ from dualpath.experiments.storage_fit import (
 from dualpath.sim import SimResult
 
 SETS = ("fig8", "fig9", "fig12", "qwen")
-FACTORS = (0.5, 1.0, 2.0, 4.0)
+FACTORS = FIG9_FACTORS  # the fig9 section's scales (0.5x-4x in the 2026-12-03 runs)
 SYSTEMS = ("oracle", "dualpath", "basic")
 
 

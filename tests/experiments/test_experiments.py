@@ -140,7 +140,7 @@ def test_fig9_table3_split_tiny(tmp_path: Path) -> None:
                   setups=("ds27b_1p1d",), online_duration_s=30.0)
     fig9(ctx)
     kinds = {(r["kind"], r["factor"]) for r in _rows(tmp_path / "fig9.csv")}
-    assert ("append", "0.5") in kinds and ("gen", "2") in kinds
+    assert ("append", "1.5") in kinds and ("gen", "3") in kinds
     sec = table3(ctx)
     assert [r["cluster"] for r in _rows(tmp_path / "table3.csv")] == [
         "2P4D", "4P8D", "2P4D", "4P8D"]
