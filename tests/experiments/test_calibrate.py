@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from dualpath.experiments.calibrate import (
     Calibration,
     CellFit,
+    calibrate_setup,
     fit_log_least_squares,
     oracle_growth,
     scaled_overrides,
@@ -91,3 +93,21 @@ def test_growth_table_flags_a_paper_doubling_above_the_work() -> None:
     assert "| DS 27B 1P1D | 48k | 2,048 -> 4,096 | 2.53x | 1.88x |" in text
     assert "48k 2,048 -> 4,096 (2.53x)" in text and "1,024 -> 2,048 (" not in text
     assert oracle_growth(rows[3:]) == []  # no doubling among the cells
+
+
+def test_calibrate_setup_scales_a_given_base() -> None:
+    # A probe of another cost shape (benchmarks/pass_fixed_cost.py) fits k and the cap on top
+    # of its own coefficients: the "before" runs are that base, and k scales its overheads.
+    runner = Runner()
+    packaged = load_cost_coefficients("ds-27b", "h800-deepseek")
+    slow = replace(packaged, per_step_overhead_s=packaged.per_step_overhead_s + 0.05)
+    cal = calibrate_setup(runner, "ds27b_1p1d", [(512, "32k")], num_iters=1,
+                          agent_divisor=256, base=slow)
+    as_given = scaled_overrides(slow, 1.0, slow.hbm_reserve_fraction,
+                                slow.max_seqs_per_decode_engine)
+    before = runner.run(RunSpec("ds27b_1p1d", "oracle", 2, "32k", cost_overrides=as_given)).jct_s
+    packaged_jct = runner.run(RunSpec("ds27b_1p1d", "oracle", 2, "32k")).jct_s
+    assert cal.cells[0].before_s == pytest.approx(before)
+    assert before > packaged_jct
+    assert cal.fitted.per_step_overhead_s == pytest.approx(
+        slow.per_step_overhead_s * cal.gpu_time_scale)

@@ -201,15 +201,19 @@ class Calibration:
 def calibrate_setup(
     runner: Runner, setup_name: str, cells: Sequence[tuple[int, str]],
     *, num_iters: int = 2, agent_divisor: int = 1, start_cap: int | None = None,
+    base: CostCoefficients | None = None,
 ) -> Calibration:
     """Fit `setup_name`'s model to the paper's Fig. 7 Oracle JCTs at `cells` (agents, MAL).
 
     `agent_divisor > 1` runs every cell with that many times fewer agents against the same
     paper value (a quick smoke run; its fit is not meaningful for the paper's sizes).
-    The cap starts at `start_cap`, else the packaged cap, else `START_CAP`.
+    The cap starts at `start_cap`, else the packaged cap, else `START_CAP`. `base`: the
+    coefficients k scales (default: the packaged ones), for a probe of another cost shape.
     """
     s = setup(setup_name)
-    base = load_cost_coefficients(s.model, HARDWARE)
+    is_packaged = base is None
+    if base is None:
+        base = load_cost_coefficients(s.model, HARDWARE)
     targets = []
     for agents, mal in cells:
         p = fig7_point(setup_name, agents, mal)
@@ -225,6 +229,9 @@ def calibrate_setup(
         if x is not None:
             k, cap = params_of(x)
             ov = scaled_overrides(base, k, DEFAULT_HBM_RESERVE_FRACTION, cap)
+        elif not is_packaged:  # `base` as given
+            ov = scaled_overrides(base, 1.0, base.hbm_reserve_fraction,
+                                  base.max_seqs_per_decode_engine)
         return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
                 for a, mal in cells]
 
@@ -237,7 +244,7 @@ def calibrate_setup(
     # Upper bounds: k <= 100, c <= 4,096.
     trace = fit_log_least_squares(evaluate, targets, x0, (math.log(100.0), math.log(4096.0)),
                                   num_iters=num_iters)
-    before = evaluate(None)  # the packaged coefficients as they were
+    before = evaluate(None)  # the base coefficients as they were
     after = evaluate(trace.x)
     k, cap = params_of(trace.x)
     fitted = replace(base, **dict(scaled_overrides(  # type: ignore[arg-type]
