@@ -105,3 +105,17 @@ def test_storage_read_model_from_the_command_line(capsys: pytest.CaptureFixture[
     assert main([*TINY, "--storage-read", "queued:many"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--storage-read 'queued:many'" in err[0]
+
+
+def test_calibrated_rate_notes_a_far_block_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """The calibrated flat rate was fitted on DS 27B's Full Blocks: a model whose blocks are
+    12x larger is told what the queued form gives them; DS 27B itself is not."""
+    assert main([*TINY, "--mode", "basic"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    qwen = [*TINY, "--mode", "basic"]
+    qwen[qwen.index("ds-27b")] = "qwen2.5-32b"
+    assert main(qwen) == 0
+    err = capsys.readouterr().err.splitlines()
+    at = next(i for i, x in enumerate(err) if x.startswith("storage reads"))
+    assert err[at + 1].startswith("note: the calibrated rate was fitted on 1.39 MB Full Blocks")
+    assert "`--storage-read queued`" in err[at + 1] and "12.1x" in err[at + 1]

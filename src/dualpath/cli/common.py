@@ -157,12 +157,20 @@ def storage_read_from_args(args: argparse.Namespace) -> StorageReadModel | None:
 
 def storage_read_line(cluster: ClusterSpec, chosen: StorageReadModel | None,
                       block_tokens: int) -> str:
-    """One line saying how fast the cluster's storage NICs read its model's Full Blocks."""
+    """One line saying how fast the cluster's storage NICs read its model's Full Blocks, and a
+    second with `experiments.storage_fit.block_size_note` when the calibrated flat rate meets
+    blocks far from the size it was fitted on."""
     model = chosen or storage_read_model(cluster.hardware.name)
     nominal = cluster.hardware.storage_nic_bytes_per_s
     block = float(cluster.model.kv_bytes_per_token * block_tokens)
     rate = model.read_bytes_per_s(nominal, block)
     which = "calibrated" if chosen is None else "--storage-read"
-    return (f"storage reads ({which}, {model.describe()}): {rate / GB:.1f} GB/s per storage NIC "
+    line = (f"storage reads ({which}, {model.describe()}): {rate / GB:.1f} GB/s per storage NIC "
             f"for {block / 1e6:.2f} MB Full Blocks, {rate / nominal:.3f} of the "
             f"{nominal / GB:g} GB/s line rate")
+    if chosen is not None:
+        return line
+    from dualpath.experiments.storage_fit import block_size_note  # the experiments' data: lazily
+
+    note = block_size_note(block, nominal, cluster.hardware.name)
+    return f"{line}\n{note}" if note else line

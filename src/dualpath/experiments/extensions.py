@@ -22,8 +22,9 @@ from dualpath.experiments.online import (
 )
 from dualpath.experiments.paper import CLAIMS
 from dualpath.experiments.report import Claim, Context, Section, fmt, md_table, within, write_csv
-from dualpath.experiments.runner import RunSpec, storage_fraction
+from dualpath.experiments.runner import RunSpec, block_bytes, storage_fraction
 from dualpath.experiments.setups import setup
+from dualpath.experiments.storage_fit import block_size_note
 
 
 def table3(ctx: Context) -> Section:
@@ -207,7 +208,11 @@ def bottleneck(fail: OnlinePoint | None) -> str:
 def storage_words(ctx: Context, setup_name: str) -> str:
     """How the advisor's runs read storage, in one sentence."""
     if ctx.storage_read is None:
-        return "Storage reads: the hardware's calibrated record."
+        cl = setup(setup_name).cluster()
+        note = block_size_note(block_bytes(setup_name), cl.hardware.storage_nic_bytes_per_s,
+                               cl.hardware.name)
+        return ("Storage reads: the hardware's calibrated record."
+                + (f" {note[0].upper()}{note[1:]}." if note else ""))
     return (f"Storage reads (`--storage-read`): {ctx.storage_read.describe()}, "
             f"{storage_fraction(ctx.storage_read, setup_name):.3f} of the line rate for this "
             "model's Full Blocks.")
