@@ -68,7 +68,8 @@ CLAIMS: dict[str, str] = {
     "fig8": "P/D ratio (DS 27B): average speedup 1.64x, up to 2.46x; pairs with equal available "
     "storage bandwidth perform alike (DualPath 1P1D ~ Basic 2P1D; DualPath 2P1D ~ DualPath 1P2D).",
     "fig9": "Append/generation scaling (DS 660B, 64K, 1024 agents): speedup 1.82-1.99x across "
-    "append scales; Basic approaches DualPath as appends grow.",
+    "append scales; Basic approaches DualPath as appends grow; the generation-length trend is "
+    "similar.",
     "fig10": "Online: SLO capacity (TTFT <= 4 s, TPOT <= 50 ms) 1.67x Basic for DS 27B 1P1D and "
     "2.25x for DS 660B 2P4D (average 1.96x).",
     "fig12": "Ablation (DS 660B, 64K, 1024/2048 agents), JCT reduction vs Basic: +layerwise "
