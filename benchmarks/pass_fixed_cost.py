@@ -1,7 +1,8 @@
 """Fig. 3's prefill batching shape in the cost model, as a probe (issue 26): does a prefill pass
 whose fixed cost is what the paper's Fig. 3 implies change the held-out trends?
 
-    python benchmarks/pass_fixed_cost.py --jobs 2 [--setup ds660b_2p4d] [--x 2.7]
+    python benchmarks/pass_fixed_cost.py --jobs 2 [--setup ds660b_2p4d] [--x 2.7 |
+        --prefill-scale S]
         [--sets fig7,fig8,fig9,fig12] [--log RUNS.jsonl]
 
 The paper's Fig. 3 (right: relative token throughput of one prefill pass of b requests, each
@@ -21,6 +22,10 @@ DeepSeek-V3.2 and 0.67 for DS 27B (section `fig3`). The probe:
    append and generation scales 1-3x: the paper says DualPath and Oracle change only slightly
    with the append scale and its speedup stays 1.82-1.99x) and the Fig. 12 ablation (1,024 and
    2,048 agents: +layerwise -17.21%).
+
+`--prefill-scale S` replaces step 1: every per-token prefill cost S times longer, the fixed
+costs as packaged (the Fig. 9 addendum's `fig9_work_mix.py` reads the paper's trends as a
+loaded Oracle about twice as prefill-weighted as ours); steps 2 and 3 as above.
 
 Nothing is written to the packaged data. Storage reads stay at the packaged (flat) rate; the
 storage fit (DS 27B Basic) is not redone, so `--setup ds27b_1p1d` moves the fitted cells too
@@ -77,6 +82,15 @@ def probe_base(name: str, x: float) -> CostCoefficients:
     return replace(base, per_step_overhead_s=base.per_step_overhead_s + x * v - f0)
 
 
+def heavier_prefill_base(name: str, scale: float) -> CostCoefficients:
+    """The packaged coefficients with every per-token prefill cost (attention and GEMMs)
+    `scale` times longer; fixed overheads and decode's HBM reads as they are (a decode step's
+    compute floor uses the linear efficiency too, which this slows alike)."""
+    base = load_cost_coefficients(setup(name).model, HARDWARE)
+    return replace(base, attention_efficiency=base.attention_efficiency / scale,
+                   linear_efficiency=base.linear_efficiency / scale)
+
+
 def cells(name: str, sets: list[str]) -> list[tuple[str, dict[str, object]]]:
     """(set, RunSpec fields without cost overrides) of every cell the probe compares."""
     out: list[tuple[str, dict[str, object]]] = []
@@ -107,18 +121,22 @@ def main() -> int:
     ap.add_argument("--setup", default="ds660b_2p4d", choices=tuple(CALIBRATION_CELLS))
     ap.add_argument("--x", type=float, default=0.0,
                     help="F/v to give the pass (default: the paper's Fig. 3 curve, fitted)")
+    ap.add_argument("--prefill-scale", type=float, default=0.0,
+                    help="instead of --x: every per-token prefill cost this many times longer "
+                    "(then the same refit), the shape the Fig. 9 trends point to")
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--log", default="", help="append each finished run (JSON lines)")
     args = ap.parse_args()
     name = args.setup
     x = args.x or fit_fixed_over_var(PAPER_FIG3)
     packaged = load_cost_coefficients(setup(name).model, HARDWARE)
-    base = probe_base(name, x)
+    base = (heavier_prefill_base(name, args.prefill_scale) if args.prefill_scale > 0
+            else probe_base(name, x))
     f0, v = fixed_over_var(name, packaged)
-    f1, _ = fixed_over_var(name, base)
+    f1, v1 = fixed_over_var(name, base)
     print(f"{name}: one engine's pass at {CONTEXT_TOKENS:,} + {APPEND_TOKENS}: v = "
           f"{v * 1e3:.1f} ms per request, F = {f0 * 1e3:.1f} ms packaged (F/v {f0 / v:.2f}) -> "
-          f"{f1 * 1e3:.1f} ms (F/v {x:.2f})")
+          f"v {v1 * 1e3:.1f} ms, F {f1 * 1e3:.1f} ms (F/v {f1 / v1:.2f})")
     runner = Runner(jobs=args.jobs, progress=True)
     if args.log:
         log_fh = open(args.log, "a")  # noqa: SIM115 (open for the whole run)
