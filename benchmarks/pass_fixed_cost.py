@@ -3,7 +3,7 @@ whose fixed cost is what the paper's Fig. 3 implies change the held-out trends?
 
     python benchmarks/pass_fixed_cost.py --jobs 2 [--setup ds660b_2p4d] [--x 2.7 |
         --prefill-scale S]
-        [--sets fig7,fig8,fig9,fig12] [--log RUNS.jsonl]
+        [--sets fig7,fig8,fig9,fig12] [--storage-read calibrated|queued[:C]|...] [--log RUNS.jsonl]
 
 The paper's Fig. 3 (right: relative token throughput of one prefill pass of b requests, each
 30K cached + 300 appended tokens) implies a pass's fixed cost F about 2.7 times one request's
@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+from dualpath.core.storage import parse_storage_read
 from dualpath.experiments.calibrate import (
     CALIBRATION_CELLS,
     calibrate_setup,
@@ -54,7 +55,7 @@ from dualpath.experiments.checks import (
 )
 from dualpath.experiments.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
 from dualpath.experiments.paper import SYSTEMS, fig7_point
-from dualpath.experiments.runner import Runner, RunSpec
+from dualpath.experiments.runner import Runner, RunSpec, run_storage
 from dualpath.experiments.setups import HARDWARE, setup
 from dualpath.sched import cost as costmod
 from dualpath.sched.cost import CostCoefficients, load_cost_coefficients
@@ -124,6 +125,9 @@ def main() -> int:
     ap.add_argument("--prefill-scale", type=float, default=0.0,
                     help="instead of --x: every per-token prefill cost this many times longer "
                     "(then the same refit), the shape the Fig. 9 trends point to")
+    ap.add_argument("--storage-read", default="calibrated",
+                    help="both forms' storage read model, as `dualpath simulate --storage-read` "
+                    "(default: the packaged record)")
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--log", default="", help="append each finished run (JSON lines)")
     args = ap.parse_args()
@@ -165,7 +169,9 @@ def main() -> int:
                                         cal.max_seqs_per_decode_engine)
     todo = cells(name, args.sets.split(","))
     forms: dict[str, Overrides] = {"packaged": (), "probe": probe}
-    specs = {(i, f): RunSpec(**kw, cost_overrides=ov)  # type: ignore[arg-type]
+    chosen = parse_storage_read(args.storage_read)
+    storage = run_storage(chosen, name) if chosen is not None else None
+    specs = {(i, f): RunSpec(**kw, cost_overrides=ov, storage=storage)  # type: ignore[arg-type]
              for i, (_, kw) in enumerate(todo) for f, ov in forms.items()}
     runner.prefetch(specs.values())
     print(f"{len(runner.log)} runs, {time.perf_counter() - started:.0f} s wall", file=sys.stderr)
