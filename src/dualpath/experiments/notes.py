@@ -26,6 +26,10 @@ These causes apply to every section; each section's tables show how large the di
    measurements of the paper's kernels; section `fig3` shows one consequence: a prefill pass's
    fixed cost is a far smaller share of a small pass than the paper's Fig. 3 implies, so
    batching raises our prefill throughput much less (the calibrated passes are unaffected).
+   The split between prefill and decode cost is what Fig. 7's Oracle cells cannot fix: DS 660B's
+   per-token prefill made twice as costly, with the two parameters refitted, fits them nearly
+   as well and matches the paper's Fig. 9 append trend, which ours misses (Fig. 9 addendum); it
+   is not adopted, as only held-out cells choose it.
    The cap stands in for whatever limited how many
    sequences the paper's decode engines held (a running-request limit, activations, CUDA
    graphs, expert-parallel buffers: the paper states none of them); HBM, with the default 10%
