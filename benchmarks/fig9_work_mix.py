@@ -29,6 +29,7 @@ import numpy.typing as npt
 from dualpath.experiments.offline import FIG9_FACTORS
 from dualpath.workload.replay import scale_lengths
 from dualpath.workload.synthetic import generate, preset
+from dualpath.workload.trajectory import Trajectory
 
 PAPER_GEN_TREND = (1.05, 1.10, 1.17)
 """The paper's Oracle JCT over 1x at generation 1.5x, 2x, 3x (issue 26 with Fig. 7's +3.2%)."""
@@ -36,10 +37,11 @@ MAL_TOKENS = 65_536
 Array = npt.NDArray[np.float64]
 
 
-def totals(append_factor: float = 1.0, gen_factor: float = 1.0) -> Array:
-    """Mean (prefill tokens, generated tokens, turns) per trajectory of the 64K trace."""
+def totals(trace: list[Trajectory], append_factor: float = 1.0,
+           gen_factor: float = 1.0) -> Array:
+    """Mean (prefill tokens, generated tokens, turns) per trajectory of `trace`, scaled."""
     ts = [scale_lengths(t, append_factor=append_factor, gen_factor=gen_factor,
-                        max_len_tokens=MAL_TOKENS) for t in generate(preset("64k"), seed=0)]
+                        max_len_tokens=MAL_TOKENS) for t in trace]
     return np.array([np.mean([sum(t.append_tokens) for t in ts]),
                      np.mean([sum(t.gen_tokens) for t in ts]),
                      np.mean([len(t.append_tokens) for t in ts])])
@@ -51,8 +53,10 @@ def main() -> int:
     ap.add_argument("--append3", type=float, default=1.0)
     args = ap.parse_args()
     scales = [f for f in FIG9_FACTORS if f != 1.0]
-    base = totals()
-    rel = {(k, f): totals(**{f"{k}_factor": f}) / base for k in ("append", "gen") for f in scales}
+    trace = generate(preset("64k"), seed=0)
+    base = totals(trace)
+    rel = {(k, f): totals(trace, **{f"{k}_factor": f}) / base
+           for k in ("append", "gen") for f in scales}
     for (k, f), r in rel.items():
         print(f"{k} x{f:g}: prefill tokens {r[0]:.2f}, generated tokens {r[1]:.2f}, "
               f"turns {r[2]:.2f} of 1x")

@@ -211,7 +211,9 @@ def calibrate_setup(
     coefficients k scales (default: the packaged ones), for a probe of another cost shape.
     """
     s = setup(setup_name)
-    is_packaged = base is None
+    # The "before" runs: the packaged coefficients as the simulator loads them, or `base`.
+    as_given: tuple[tuple[str, float], ...] = () if base is None else scaled_overrides(
+        base, 1.0, base.hbm_reserve_fraction, base.max_seqs_per_decode_engine)
     if base is None:
         base = load_cost_coefficients(s.model, HARDWARE)
     targets = []
@@ -225,13 +227,10 @@ def calibrate_setup(
         return math.exp(x[0]), max(1, round(math.exp(x[1])))
 
     def specs(x: Sequence[float] | None) -> list[RunSpec]:
-        ov: tuple[tuple[str, float], ...] = ()
+        ov = as_given
         if x is not None:
             k, cap = params_of(x)
             ov = scaled_overrides(base, k, DEFAULT_HBM_RESERVE_FRACTION, cap)
-        elif not is_packaged:  # `base` as given
-            ov = scaled_overrides(base, 1.0, base.hbm_reserve_fraction,
-                                  base.max_seqs_per_decode_engine)
         return [RunSpec(setup_name, "oracle", max(1, a // agent_divisor), mal, cost_overrides=ov)
                 for a, mal in cells]
 

@@ -74,9 +74,9 @@ class OnlinePoint:
 
 FAST_DUALPATH_CAUSE = (
     "our DS 27B DualPath is faster than the paper's where storage does not bind it, as offline "
-    "(Fig. 7: DualPath 13-22% short at 32K, 512-1,024 agents; DualPath/Basic above the paper's "
-    "at 64K); what slows the paper's (its P-D transfer overhead in small models, notes item "
-    "11) is not modelled")
+    "(Fig. 7: DualPath short of the paper's at 32K, DualPath/Basic above it at 64K); what "
+    "slows the paper's (its P-D transfer overhead in small models, notes item 11) is not "
+    "modelled")
 """Why DS 27B's online capacity ratio exceeds the paper's."""
 
 
