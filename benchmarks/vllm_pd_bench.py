@@ -53,12 +53,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dualpath.integrations.vllm.cluster import stock
-from dualpath.integrations.vllm.cluster.launch import (
+from dualpath.integrations.vllm.cluster.launch import VllmCluster
+from dualpath.integrations.vllm.cluster.spec import (
     HOST_MODES,
     HOSTS_HELP,
     LOAD_MODES,
     LOADS_HELP,
-    VllmCluster,
     VllmClusterSpec,
 )
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES

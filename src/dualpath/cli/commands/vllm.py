@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.cluster.launch import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
+from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -83,8 +83,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from dualpath.integrations.vllm.cluster.launch import VllmCluster, VllmClusterSpec
+    from dualpath.integrations.vllm.cluster.launch import VllmCluster
     from dualpath.integrations.vllm.cluster.reaper import die_with_parent
+    from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).

@@ -44,7 +44,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.core.errors import DualPathError
 from dualpath.core.step_grid import StepGrid
-from dualpath.integrations.vllm.cluster.launch import cpu_sets, free_port, reaped_command
+from dualpath.integrations.vllm.cluster.command import reaped_command
+from dualpath.integrations.vllm.cluster.cpus import cpu_sets
+from dualpath.integrations.vllm.cluster.ports import free_port
 
 DECODE_TOKENS = 16
 """Output tokens of a decode sample's requests (15 step gaps each)."""

@@ -18,14 +18,10 @@ import pytest
 
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster import netns
-from dualpath.integrations.vllm.cluster.launch import (
-    LaunchError,
-    VllmCluster,
-    VllmClusterSpec,
-    cpu_binding,
-    cpu_sets,
-    server_command,
-)
+from dualpath.integrations.vllm.cluster.command import server_command
+from dualpath.integrations.vllm.cluster.cpus import cpu_binding, cpu_sets
+from dualpath.integrations.vllm.cluster.launch import LaunchError, VllmCluster
+from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
 STAND_IN = '''
 import argparse, json, os, sys

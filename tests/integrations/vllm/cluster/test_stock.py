@@ -16,7 +16,7 @@ import pytest
 
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster import stock
-from dualpath.integrations.vllm.cluster.launch import VllmClusterSpec
+from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
 
 def test_the_prefill_and_decode_configs_put_nixl_first_and_the_folder_tier_second(

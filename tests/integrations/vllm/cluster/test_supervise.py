@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from dualpath.integrations.vllm.cluster import reaper
-from dualpath.integrations.vllm.cluster.launch import VllmCluster, VllmClusterSpec, free_port
+from dualpath.integrations.vllm.cluster.launch import VllmCluster
+from dualpath.integrations.vllm.cluster.ports import free_port
+from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
 STAND_IN = '''
 import argparse, json, mmap, os, subprocess, sys
@@ -165,7 +167,9 @@ def test_a_killed_launcher_leaves_no_server(stand_in: Path) -> None:
     launcher = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 from pathlib import Path
-from dualpath.integrations.vllm.cluster.launch import VllmCluster, VllmClusterSpec, free_port
+from dualpath.integrations.vllm.cluster.launch import VllmCluster
+from dualpath.integrations.vllm.cluster.ports import free_port
+from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 tmp = Path({str(stand_in)!r})
 spec = VllmClusterSpec(model=str(tmp), store=tmp / "store", python=sys.executable,
                        startup_timeout_s=60, stop_grace_s=1.0)

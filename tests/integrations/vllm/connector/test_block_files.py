@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import SpecError
 from dualpath.core.store import BlockStore
@@ -270,7 +269,8 @@ def test_blocks_per_file_must_be_a_positive_integer(tmp_path: Path) -> None:
 
 
 def test_the_launcher_passes_blocks_per_file_only_when_set(tmp_path: Path) -> None:
-    from dualpath.integrations.vllm.cluster.launch import VllmClusterSpec, kv_transfer_config
+    from dualpath.integrations.vllm.cluster.command import kv_transfer_config
+    from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
     spec = VllmClusterSpec(model="m", store=tmp_path, python="python")
     for role in ("prefill", "decode"):

@@ -18,7 +18,7 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.store import BlockStore
-from dualpath.integrations.vllm.cluster.launch import free_ports
+from dualpath.integrations.vllm.cluster.ports import free_ports
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,

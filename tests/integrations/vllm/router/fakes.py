@@ -17,10 +17,12 @@ from typing import Any
 import httpx2
 
 from dualpath.http.server import HttpServer, ServerConfig
-from dualpath.integrations.vllm.cluster.launch import free_port
+from dualpath.integrations.vllm.cluster.ports import free_port
 from dualpath.integrations.vllm.manifest import StoreManifest
-from dualpath.integrations.vllm.router.app import Router, RouterConfig, make_app
+from dualpath.integrations.vllm.router.app import make_app
+from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.policy import route_params
+from dualpath.integrations.vllm.router.router import Router
 
 FAKE = Path(__file__).with_name("fake_instance.py")
 

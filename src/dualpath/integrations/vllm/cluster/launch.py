@@ -19,39 +19,27 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster import netns, reaper, stock
-
-CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
-CHATML_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-"""ChatML, SmolLM2-Instruct's chat format, for model folders without a template of their own
-(the GGUF-converted SmolLM2 folder has no `tokenizer_config.json`)."""
-
-
-def has_chat_template(model: str) -> bool:
-    """Whether an HF-style folder carries a chat template vLLM will find."""
-    folder = Path(model)
-    if (folder / "chat_template.jinja").exists():
-        return True
-    config = folder / "tokenizer_config.json"
-    with contextlib.suppress(OSError, ValueError):
-        return "chat_template" in json.loads(config.read_text(encoding="utf-8"))
-    return False
+from dualpath.integrations.vllm.cluster.command import (
+    CHATML_TEMPLATE,
+    has_chat_template,
+    kv_transfer_config,
+    reaped_command,
+    server_command,
+)
+from dualpath.integrations.vllm.cluster.cpus import cpu_binding
+from dualpath.integrations.vllm.cluster.ports import free_port, free_ports
+from dualpath.integrations.vllm.cluster.spec import HOST_MODES, VllmClusterSpec
 
 
 class LaunchError(RuntimeError):
@@ -63,186 +51,6 @@ def _die_with_parent() -> None:
     prctl PR_SET_PDEATHSIG), so a killed driver never leaves servers running (the reaper
     takes its server's group down)."""
     reaper.die_with_parent(signal.SIGTERM)
-
-
-def free_port(taken: set[int] | None = None) -> int:
-    """A port free on 127.0.0.1 now and not in `taken` (ports handed out for servers that
-    have not bound them yet: the kernel would hand one of them out again); added to it."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if taken is None or port not in taken:
-            if taken is not None:
-                taken.add(port)
-            return port
-    raise OSError("no free port outside those already handed out")
-
-
-def free_ports(n: int, taken: set[int] | None = None) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 now and not in `taken`
-    (added to it)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65536:
-            continue
-        if taken is not None and taken.intersection(range(base, base + n)):
-            continue
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base + 1, base + n):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            if taken is not None:
-                taken.update(range(base, base + n))
-            return base
-    raise OSError(f"no {n} consecutive free ports")
-
-
-@dataclass(frozen=True)
-class VllmClusterSpec:
-    model: str
-    """An HF-style model folder (vLLM 0.32 on CPU loads no GGUF: the converted SmolLM2)."""
-    store: Path
-    python: str
-    """The interpreter of the venv that has vllm."""
-    num_prefill: int = 1
-    num_decode: int = 1
-    log_dir: Path | None = None
-    """One `<name>.log` per instance (default: the store's parent folder)."""
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    staging_blocks: int = 32
-    kv_cache_gib: int = 1
-    durable: bool = False
-    event_logs: bool = True
-    startup_timeout_s: float = 600.0
-    stop_grace_s: float = 10.0
-    """From SIGTERM to SIGKILL when a server's process group is taken down."""
-    kv_events: bool = False
-    """Each instance publishes vLLM's KV events over ZMQ (`--kv-events-config`, on a port of
-    its own: `Instance.kv_events`), the connector's `medium="STORAGE"` ones included."""
-    chat_template: Path | None = None
-    """A Jinja file; default: ChatML when the model folder has no template."""
-    storage_read_gbps: float | None = None
-    """Each instance's emulated storage NIC for reads (None: unpaced)."""
-    async_loads: bool = False
-    """The prefill instances' background loads (`async_loads` of the connector)."""
-    blocks_per_file: int | None = None
-    """vLLM blocks per store file (the connector's `blocks_per_file`; None: its default,
-    files of at least 128 tokens)."""
-    hosts: str = "loopback"
-    """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
-    own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
-    dtype: str = "float32"
-    """vLLM's `--dtype` (CPU: float32; a GPU deployment: bfloat16 or auto)."""
-    cuda_graphs: bool = False
-    """Run with CUDA graphs (the connector makes vLLM use PIECEWISE ones); False passes
-    `--enforce-eager` (on CPU, torch.compile's warm-up alone takes minutes)."""
-    tensor_parallel_size: int = 1
-    """Ranks per instance (`--tensor-parallel-size`); a decode instance's ranks serve their
-    side channels on consecutive ports."""
-    gpus: tuple[str, ...] = ()
-    """GPU ids to share out: instance `i` gets `CUDA_VISIBLE_DEVICES` of the ids
-    `[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)` (empty: not set)."""
-    bind_cpus: bool = True
-    """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
-    worker binds its threads to all the cores of a NUMA node by default, so two instances on
-    one machine pin their main threads to the same core, and one of them starves (a decode
-    instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
-    explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
-    extra_args: tuple[str, ...] = ()
-    stack: str = "dualpath"
-    """The instances' connectors: "dualpath" (`DualPathConnector`) or "vllm-stock" (vLLM's own
-    NIXL P/D and, with `stock_fs_tier`, its filesystem KV tier in `store`: `stock`)."""
-    stock_fs_tier: bool = True
-    """"vllm-stock" with vLLM's filesystem tier (which vLLM 0.32 refuses on CPU:
-    `stock.FS_ON_CPU_ERROR`); False: NIXL P/D alone, every prompt recomputed."""
-
-    def __post_init__(self) -> None:
-        if self.stack not in STACKS:
-            raise SpecError("vllm cluster", "stack", self.stack,
-                            f"must be one of {', '.join(STACKS)}")
-        if self.tensor_parallel_size < 1:
-            raise SpecError("vllm cluster", "tensor_parallel_size", self.tensor_parallel_size,
-                            "must be >= 1")
-        need = (self.num_prefill + self.num_decode) * self.tensor_parallel_size
-        if self.gpus and len(self.gpus) < need:
-            raise SpecError("vllm cluster", "gpus", ",".join(self.gpus),
-                            f"{self.num_prefill + self.num_decode} instances x "
-                            f"{self.tensor_parallel_size} ranks need {need} GPUs")
-
-    def instance_gpus(self, index: int) -> dict[str, str]:
-        """The environment that gives instance `index` its GPUs (nothing without `gpus`)."""
-        if not self.gpus:
-            return {}
-        tp = self.tensor_parallel_size
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[index * tp:(index + 1) * tp])}
-
-
-STACKS = ("dualpath", "vllm-stock")
-
-
-def _topology(cpu: int) -> tuple[int, int]:
-    """(socket, physical core) of a logical CPU, from sysfs ((0, cpu) where it is missing)."""
-    base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-    try:
-        return (int((base / "physical_package_id").read_text()),
-                int((base / "core_id").read_text()))
-    except (OSError, ValueError):
-        return (0, cpu)
-
-
-def cpu_sets(num_instances: int, cpus: Sequence[int],
-             topology: Callable[[int], tuple[int, int]] = _topology
-             ) -> list[list[int]] | None:
-    """`cpus` split into `num_instances` disjoint runs, in (socket, physical core, id) order
-    so that hyperthread siblings stay together and an instance stays on one socket where it
-    can; the earlier instances take the remainder. None when there are fewer cores than
-    instances."""
-    cpus = sorted(cpus, key=lambda c: (*topology(c), c))
-    if num_instances < 1 or len(cpus) < num_instances:
-        return None
-    size, extra = divmod(len(cpus), num_instances)
-    sets, lo = [], 0
-    for i in range(num_instances):
-        hi = lo + size + (1 if i < extra else 0)
-        sets.append(sorted(cpus[lo:hi]))
-        lo = hi
-    return sets
-
-
-def cpu_binding(spec: VllmClusterSpec, num_instances: int) -> list[dict[str, str]]:
-    """The environment that binds each instance's vLLM worker (`VllmClusterSpec.bind_cpus`):
-    `VLLM_CPU_OMP_THREADS_BIND` to a core set of its own; with fewer cores than instances,
-    no binding and one OpenMP thread each (they share the cores, none is pinned). An instance
-    of several ranks (tensor or pipeline parallel in `extra_args`) needs one list per rank:
-    then the binding is left to the environment."""
-    parallel = spec.tensor_parallel_size > 1 or any(a.startswith(
-        ("--tensor-parallel-size", "--pipeline-parallel-size", "-tp", "-pp"))
-        for a in spec.extra_args)
-    if not spec.bind_cpus or parallel or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return [{} for _ in range(num_instances)]
-    sets = cpu_sets(num_instances, list(os.sched_getaffinity(0)))
-    if sets is None:
-        return [{"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-                for _ in range(num_instances)]
-    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} for cores in sets]
-
-
-HOST_MODES = ("loopback", "netns")
-HOSTS_HELP = ("loopback: every server on 127.0.0.1; netns: each server on an emulated host of "
-              "its own, a network namespace on a bridge, reached over veth and TCP (UCX too; "
-              "needs root) (default: %(default)s)")
-"""The `--hosts` option's help, the same wherever a command starts a cluster."""
-LOAD_MODES = ("sync", "async")
-LOADS_HELP = ("sync: each prefill step waits for its own requests' reads (the DE side pulled "
-              "layer by layer); async: the prefill instances load in the background (connector "
-              "async_loads), a step does not wait for other requests' reads (default: "
-              "%(default)s)")
-"""The `--loads` option's help."""
 
 
 @dataclass
@@ -297,48 +105,8 @@ class Instance:
         return [json.loads(x) for x in self.event_log.read_text().splitlines() if x.strip()]
 
 
-def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | None,
-                       event_log: Path | None) -> dict[str, Any]:
-    extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
-    if event_log is not None:
-        extra["event_log"] = str(event_log)
-    if spec.storage_read_gbps:
-        extra["storage_read_gbps"] = spec.storage_read_gbps
-    if spec.blocks_per_file is not None:
-        extra["blocks_per_file"] = spec.blocks_per_file
-    if role == "decode":
-        extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
-    else:
-        extra["async_loads"] = spec.async_loads
-    return {"kv_connector": "DualPathConnector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
-
-
-def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
-                   chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
-    template = ["--chat-template", str(chat_template)] if chat_template is not None else []
-    eager = [] if spec.cuda_graphs else ["--enforce-eager"]
-    parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
-        if spec.tensor_parallel_size > 1 else []
-    return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", spec.model, "--tokenizer", spec.model, "--dtype", spec.dtype,
-            *eager, *parallel, "--no-enable-prefix-caching", "--seed", "0",
-            "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
-            "--host", host, "--port", str(port),
-            "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
-
-
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def reaped_command(cmd: list[str], tag: str, grace_s: float) -> list[str]:
-    """`cmd` under a `reaper` of this interpreter (which has dualpath)."""
-    return [sys.executable, "-m", reaper.__name__, "--tag", tag, "--parent", str(os.getpid()),
-            "--grace", f"{grace_s:g}", "--", *cmd]
 
 
 RESTART_BACKOFF_S = (1.0, 5.0, 15.0, 60.0)

@@ -1,0 +1,74 @@
+"""The command line of one vLLM server with `DualPathConnector`: its `--kv-transfer-config`,
+its arguments, and the `reaper` it runs under. `VllmCluster` runs these, and
+`dualpath advise` prints them for real hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dualpath.integrations.vllm.cluster import reaper
+from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
+
+CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""ChatML, SmolLM2-Instruct's chat format, for model folders without a template of their own
+(the GGUF-converted SmolLM2 folder has no `tokenizer_config.json`)."""
+
+
+def has_chat_template(model: str) -> bool:
+    """Whether an HF-style folder carries a chat template vLLM will find."""
+    folder = Path(model)
+    if (folder / "chat_template.jinja").exists():
+        return True
+    config = folder / "tokenizer_config.json"
+    with contextlib.suppress(OSError, ValueError):
+        return "chat_template" in json.loads(config.read_text(encoding="utf-8"))
+    return False
+
+
+def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | None,
+                       event_log: Path | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
+    if event_log is not None:
+        extra["event_log"] = str(event_log)
+    if spec.storage_read_gbps:
+        extra["storage_read_gbps"] = spec.storage_read_gbps
+    if spec.blocks_per_file is not None:
+        extra["blocks_per_file"] = spec.blocks_per_file
+    if role == "decode":
+        extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
+    else:
+        extra["async_loads"] = spec.async_loads
+    return {"kv_connector": "DualPathConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+
+
+def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
+                   chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
+    template = ["--chat-template", str(chat_template)] if chat_template is not None else []
+    eager = [] if spec.cuda_graphs else ["--enforce-eager"]
+    parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
+        if spec.tensor_parallel_size > 1 else []
+    return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", spec.model, "--tokenizer", spec.model, "--dtype", spec.dtype,
+            *eager, *parallel, "--no-enable-prefix-caching", "--seed", "0",
+            "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
+            "--host", host, "--port", str(port),
+            "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
+
+
+def reaped_command(cmd: list[str], tag: str, grace_s: float) -> list[str]:
+    """`cmd` under a `reaper` of this interpreter (which has dualpath)."""
+    return [sys.executable, "-m", reaper.__name__, "--tag", tag, "--parent", str(os.getpid()),
+            "--grace", f"{grace_s:g}", "--", *cmd]

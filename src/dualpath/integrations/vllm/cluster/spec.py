@@ -1,0 +1,105 @@
+"""The spec of a P/D cluster of vLLM servers (`VllmClusterSpec`) and the option values and
+help texts every command that starts one shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.core.errors import SpecError
+
+
+@dataclass(frozen=True)
+class VllmClusterSpec:
+    model: str
+    """An HF-style model folder (vLLM 0.32 on CPU loads no GGUF: the converted SmolLM2)."""
+    store: Path
+    python: str
+    """The interpreter of the venv that has vllm."""
+    num_prefill: int = 1
+    num_decode: int = 1
+    log_dir: Path | None = None
+    """One `<name>.log` per instance (default: the store's parent folder)."""
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    staging_blocks: int = 32
+    kv_cache_gib: int = 1
+    durable: bool = False
+    event_logs: bool = True
+    startup_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    """From SIGTERM to SIGKILL when a server's process group is taken down."""
+    kv_events: bool = False
+    """Each instance publishes vLLM's KV events over ZMQ (`--kv-events-config`, on a port of
+    its own: `Instance.kv_events`), the connector's `medium="STORAGE"` ones included."""
+    chat_template: Path | None = None
+    """A Jinja file; default: ChatML when the model folder has no template."""
+    storage_read_gbps: float | None = None
+    """Each instance's emulated storage NIC for reads (None: unpaced)."""
+    async_loads: bool = False
+    """The prefill instances' background loads (`async_loads` of the connector)."""
+    blocks_per_file: int | None = None
+    """vLLM blocks per store file (the connector's `blocks_per_file`; None: its default,
+    files of at least 128 tokens)."""
+    hosts: str = "loopback"
+    """"loopback": every instance on 127.0.0.1; "netns": each in a network namespace of its
+    own on a bridge, an emulated host reached over veth and TCP (`netns`; needs root)."""
+    dtype: str = "float32"
+    """vLLM's `--dtype` (CPU: float32; a GPU deployment: bfloat16 or auto)."""
+    cuda_graphs: bool = False
+    """Run with CUDA graphs (the connector makes vLLM use PIECEWISE ones); False passes
+    `--enforce-eager` (on CPU, torch.compile's warm-up alone takes minutes)."""
+    tensor_parallel_size: int = 1
+    """Ranks per instance (`--tensor-parallel-size`); a decode instance's ranks serve their
+    side channels on consecutive ports."""
+    gpus: tuple[str, ...] = ()
+    """GPU ids to share out: instance `i` gets `CUDA_VISIBLE_DEVICES` of the ids
+    `[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)` (empty: not set)."""
+    bind_cpus: bool = True
+    """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
+    worker binds its threads to all the cores of a NUMA node by default, so two instances on
+    one machine pin their main threads to the same core, and one of them starves (a decode
+    instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
+    explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
+    extra_args: tuple[str, ...] = ()
+    stack: str = "dualpath"
+    """The instances' connectors: "dualpath" (`DualPathConnector`) or "vllm-stock" (vLLM's own
+    NIXL P/D and, with `stock_fs_tier`, its filesystem KV tier in `store`: `stock`)."""
+    stock_fs_tier: bool = True
+    """"vllm-stock" with vLLM's filesystem tier (which vLLM 0.32 refuses on CPU:
+    `stock.FS_ON_CPU_ERROR`); False: NIXL P/D alone, every prompt recomputed."""
+
+    def __post_init__(self) -> None:
+        if self.stack not in STACKS:
+            raise SpecError("vllm cluster", "stack", self.stack,
+                            f"must be one of {', '.join(STACKS)}")
+        if self.tensor_parallel_size < 1:
+            raise SpecError("vllm cluster", "tensor_parallel_size", self.tensor_parallel_size,
+                            "must be >= 1")
+        need = (self.num_prefill + self.num_decode) * self.tensor_parallel_size
+        if self.gpus and len(self.gpus) < need:
+            raise SpecError("vllm cluster", "gpus", ",".join(self.gpus),
+                            f"{self.num_prefill + self.num_decode} instances x "
+                            f"{self.tensor_parallel_size} ranks need {need} GPUs")
+
+    def instance_gpus(self, index: int) -> dict[str, str]:
+        """The environment that gives instance `index` its GPUs (nothing without `gpus`)."""
+        if not self.gpus:
+            return {}
+        tp = self.tensor_parallel_size
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[index * tp:(index + 1) * tp])}
+
+
+STACKS = ("dualpath", "vllm-stock")
+
+HOST_MODES = ("loopback", "netns")
+HOSTS_HELP = ("loopback: every server on 127.0.0.1; netns: each server on an emulated host of "
+              "its own, a network namespace on a bridge, reached over veth and TCP (UCX too; "
+              "needs root) (default: %(default)s)")
+"""The `--hosts` option's help, the same wherever a command starts a cluster."""
+LOAD_MODES = ("sync", "async")
+LOADS_HELP = ("sync: each prefill step waits for its own requests' reads (the DE side pulled "
+              "layer by layer); async: the prefill instances load in the background (connector "
+              "async_loads), a step does not wait for other requests' reads (default: "
+              "%(default)s)")
+"""The `--loads` option's help."""
