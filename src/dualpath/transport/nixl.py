@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from dualpath.transport.traffic_class import KVTrafficClass
 from dualpath.transport.transfer_error import TransferError
 
 Desc = tuple[int, int, int]
@@ -142,15 +143,24 @@ class Prepped:
 _config_lock = threading.Lock()
 
 
-def _nixl_agent(name: str, progress_thread: bool) -> Any:
+def _nixl_agent(name: str, progress_thread: bool, ucx_params: dict[str, str]) -> Any:
     """A `nixl_agent` with the UCX backend whose progress thread (if any) waits in `poll()`
     for up to `PROGRESS_DELAY_US` instead of spinning. The wrapper builds its own
     `nixlAgentConfig` with `pthrDelay = 0`; for the moment of construction it gets a config
-    class that keeps the delay at `PROGRESS_DELAY_US` or more."""
+    class that keeps the delay at `PROGRESS_DELAY_US` or more. `ucx_params`: the UCX
+    backend's init parameters (the wrapper's config passes none of its own, so a backend
+    with some is created after the agent)."""
+    agent = _bare_agent(name, progress_thread, [] if ucx_params else ["UCX"])
+    if ucx_params:
+        agent.create_backend("UCX", ucx_params)
+    return agent
+
+
+def _bare_agent(name: str, progress_thread: bool, backends: list[str]) -> Any:
     from nixl import _api
     from nixl._api import nixl_agent, nixl_agent_config
 
-    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=backends)
     stock = getattr(_api.nixlBind, "nixlAgentConfig", None)
     delay = getattr(stock, "pthrDelay", None)
     if not progress_thread or stock is None or not isinstance(delay, property):
@@ -182,16 +192,25 @@ class NixlAgent:
     """A NIXL agent over memory registered once; thread-safe (every agent call holds `lock`:
     an engine thread and background loads share the agent)."""
 
-    def __init__(self, name: str, progress_thread: bool | None = None) -> None:
+    def __init__(self, name: str, progress_thread: bool | None = None,
+                 traffic_class: KVTrafficClass | None = None) -> None:
         """`progress_thread`: UCX progress in a thread of its own. The target of one-sided
         transfers needs it (a runtime node, the decode node's staging service); an initiator
         progresses in its own polls, and a progress thread there only takes a core (on 2
         cores it starved the vLLM worker around it). Default: env
-        DUALPATH_NIXL_PROGRESS_THREAD=1, else off."""
+        DUALPATH_NIXL_PROGRESS_THREAD=1, else off. `traffic_class`: the fabric class of this
+        agent's transfers, set on its own UCX context (`traffic_class.py`; default: the
+        fabric's default)."""
         if progress_thread is None:
             progress_thread = os.environ.get("DUALPATH_NIXL_PROGRESS_THREAD", "0") == "1"
         self.name = name
-        self.agent: Any = _nixl_agent(name, progress_thread)
+        self.traffic_class = traffic_class or KVTrafficClass()
+        try:
+            self.agent: Any = _nixl_agent(name, progress_thread,
+                                          self.traffic_class.backend_params())
+        except Exception as e:  # NIXL's own error types
+            raise TransferError(f"NIXL agent {name}: no UCX backend ({type(e).__name__}: "
+                                f"{e})") from None
         self.lock = threading.Lock()
         self._regions: list[Region] = []
         self._peers: set[str] = set()
@@ -239,6 +258,12 @@ class NixlAgent:
                 (address, int(t.numel()) * int(t.element_size())))
         for (mem_type, device), regions in groups.items():
             self.register(regions, mem_type, device)
+
+    def backend_params(self) -> dict[str, str]:
+        """The parameters NIXL holds for this agent's UCX backend (its `engine_config` carries
+        the traffic class's UCX settings)."""
+        with self.lock:
+            return {str(k): str(v) for k, v in self.agent.get_backend_params("UCX").items()}
 
     def metadata(self) -> bytes:
         """What a peer needs to `connect` to this agent."""
