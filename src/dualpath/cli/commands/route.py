@@ -95,8 +95,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def route(args: argparse.Namespace) -> int:
     from dualpath.http.server import HttpServer, ServerConfig
     from dualpath.integrations.vllm.manifest import find_manifest
-    from dualpath.integrations.vllm.router.app import Router, RouterConfig, make_app
+    from dualpath.integrations.vllm.router.app import make_app
+    from dualpath.integrations.vllm.router.config import RouterConfig
     from dualpath.integrations.vllm.router.policy import route_params
+    from dualpath.integrations.vllm.router.router import Router
 
     if len(args.side) != len(args.decode):
         raise SpecError("route", "side", len(args.side), f"give one --side per --decode "

@@ -23,16 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.http.server import HttpServer, ServerConfig, bind
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
-from dualpath.integrations.vllm.router.app import (
-    Router,
-    RouterConfig,
-    make_app,
-    parse_vllm_metrics,
-)
+from dualpath.integrations.vllm.router.app import make_app
+from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, route_params
+from dualpath.integrations.vllm.router.router import Router
+from dualpath.integrations.vllm.router.scrape import parse_vllm_metrics
+from dualpath.store import BlockStore
 
 BS = 4
 BLOCK_BYTES = 64

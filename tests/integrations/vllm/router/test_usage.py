@@ -15,11 +15,11 @@ import pytest
 from fakes import BLOCK_BYTES, BS, PROMPT, Fake, routed, stats
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.manifest import LoadReport, StoreManifest
-from dualpath.integrations.vllm.router.app import usage_report, with_usage
 from dualpath.integrations.vllm.router.policy import Route
+from dualpath.integrations.vllm.router.usage import usage_report, with_usage
 from dualpath.sched.types import ReadPlan
+from dualpath.store import BlockStore
 
 STORED = 3  # of PROMPT's 4 full blocks (17 tokens, block 4)
 

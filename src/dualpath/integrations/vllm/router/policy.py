@@ -1,5 +1,6 @@
 """The router's decisions, pure: its accounting of P prefill and D decode vLLM instances and
-the one `sched.scheduler.Scheduler` driven from it (no I/O, no clock; `router.py` does the HTTP).
+the one `sched.scheduler.Scheduler` driven from it (no I/O, no clock; `router.Router` moves
+the requests).
 
 Cluster shape: every vLLM instance is one engine on its own node. Prefill instance `i` is
 engine and node `i`; decode instance `j` is engine and node `P + j`, and DE group `j` of the

@@ -1,0 +1,102 @@
+"""Polling the instances: each instance's `/health` and `/metrics` every `poll_interval_s`,
+its KV cache usage and capacity (the decode instances' free KV memory; absent values are
+tolerated) into the policy, and whether it is up into `failover.Liveness`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from http import HTTPStatus
+
+import httpx2
+from prometheus_client.parser import text_string_to_metric_families
+
+from dualpath.integrations.vllm.router.config import RouterConfig
+from dualpath.integrations.vllm.router.failover import Liveness
+from dualpath.integrations.vllm.router.policy import InstanceMetrics, RoutePolicy
+from dualpath.sched.types import Role
+
+log = logging.getLogger("dualpath.route")
+
+_USED_SAMPLE = re.compile(
+    r"^(?:vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
+    r"|vllm:gpu_cache_usage_perc|vllm:cache_config_info)[{ \t].*$", re.MULTILINE)
+"""The sample lines of the `/metrics` families `parse_vllm_metrics` reads."""
+
+
+def parse_vllm_metrics(text: str, kv_bytes_per_token: float) -> InstanceMetrics:
+    """The loads a vLLM `/metrics` page shows (summed over its engines; KV usage the highest;
+    a quantity the page lacks is None). Only the sample lines of the families it reads are
+    parsed: the page's histograms (most of it) would cost many times more."""
+    running: float | None = None
+    waiting: float | None = None
+    usage: float | None = None
+    capacity: float | None = None
+    wanted = "\n".join(_USED_SAMPLE.findall(text))
+    for family in text_string_to_metric_families(wanted + "\n" if wanted else ""):
+        for s in family.samples:
+            if s.name == "vllm:num_requests_running":
+                running = (running or 0.0) + s.value
+            elif s.name == "vllm:num_requests_waiting":
+                waiting = (waiting or 0.0) + s.value
+            elif s.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                usage = s.value if usage is None else max(usage, s.value)
+            elif s.name == "vllm:cache_config_info":
+                blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    capacity = (capacity or 0.0) + int(blocks) * int(size) * kv_bytes_per_token
+    return InstanceMetrics(
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        kv_usage=usage, kv_capacity_bytes=None if capacity is None else int(capacity))
+
+
+class Poller:
+    """Polls every instance, forever, once started; `on_round` runs after each round (the
+    router places the requests waiting)."""
+
+    def __init__(self, cfg: RouterConfig, policy: RoutePolicy, liveness: Liveness,
+                 client: Callable[[], httpx2.AsyncClient], on_round: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.liveness = liveness
+        self.client = client
+        self.on_round = on_round
+        m = cfg.manifest
+        self.kv_bytes_per_token = m.full_block_bytes / m.block_size
+        self.errors: Counter[tuple[str, str]] = Counter()
+        """(role, url) -> polls of that instance that failed."""
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(role, i, url)
+                                   for role, i, url in self.cfg.instances()))
+            self.on_round()
+            await asyncio.sleep(self.cfg.poll_interval_s)
+
+    async def poll(self, role: Role, index: int, url: str) -> None:
+        """One instance's `/health` and `/metrics`: its loads into the policy, and whether it
+        is up (any failure marks it down; a failed poll keeps the last sample)."""
+        timeout = max(1.0, 2 * self.cfg.poll_interval_s)
+        polled_at = time.monotonic()
+        client = self.client()
+        try:
+            health = await client.get(f"{url}/health", timeout=timeout)
+            if health.status_code != HTTPStatus.OK:
+                raise ValueError(f"/health answered HTTP {health.status_code}")
+            resp = await client.get(f"{url}/metrics", timeout=timeout)
+            resp.raise_for_status()
+            # Off the event loop: the pages of many instances would hold it.
+            sample = await asyncio.to_thread(parse_vllm_metrics, resp.text,
+                                             self.kv_bytes_per_token)
+        except (httpx2.HTTPError, ValueError) as e:
+            self.errors[(role.value, url)] += 1
+            log.debug("poll of %s: %s", url, e)
+            self.liveness.mark_down(role, index, f"poll failed: {type(e).__name__}: {e}"[:300])
+            return
+        self.policy.update_metrics(role, index, sample)
+        self.liveness.mark_up(role, index, polled_at)
