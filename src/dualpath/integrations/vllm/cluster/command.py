@@ -13,8 +13,8 @@ from typing import Any
 
 from dualpath.integrations.vllm.cluster import reaper
 from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
+from dualpath.integrations.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
-CONNECTOR_MODULE = "dualpath.integrations.vllm.connector.dualpath_connector"
 CHATML_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -47,7 +47,7 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
         extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
     else:
         extra["async_loads"] = spec.async_loads
-    return {"kv_connector": "DualPathConnector",
+    return {"kv_connector": CONNECTOR_NAME,
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_load_failure_policy": "recompute",
