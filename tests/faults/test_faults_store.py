@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import HEADER_BYTES, BlockStore, StoreError
+from dualpath.store import HEADER_BYTES, BlockStore, StoreError
 
 BLOCK_BYTES = 4096
 Mount = Callable[[int], Path]
@@ -50,7 +50,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from dualpath.core.store import BlockStore
+    from dualpath.store import BlockStore
     root, nbytes = sys.argv[1], int(sys.argv[2])
     store = BlockStore(root, nbytes, is_durable=True)
     base = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)

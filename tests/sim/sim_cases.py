@@ -5,7 +5,7 @@ from __future__ import annotations
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import HardwareSpec, hardware_preset
 from dualpath.core.model import model_preset
-from dualpath.core.storage import storage_read_model
+from dualpath.core.read_rate import storage_read_model
 from dualpath.core.units import GB
 from dualpath.sim import Driver, SimConfig, SimResult, Workload, simulate
 

@@ -7,7 +7,7 @@ import pytest
 from sim_cases import read_rate, run_offline, tiny_cluster, trajectories
 
 from dualpath.core.errors import SpecError
-from dualpath.core.storage import storage_read_model
+from dualpath.core.read_rate import storage_read_model
 from dualpath.sim import ReadDiscipline, SimParams, SimResult
 
 CL = tiny_cluster()

@@ -7,7 +7,7 @@ import argparse
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
 from dualpath.core.model import MODEL_PRESETS, ModelSpec, model_from_hf_config, model_preset
-from dualpath.core.storage import StorageReadModel, parse_storage_read, storage_read_model
+from dualpath.core.read_rate import StorageReadModel, parse_storage_read, storage_read_model
 from dualpath.core.units import GB
 
 
@@ -158,7 +158,7 @@ def storage_read_from_args(args: argparse.Namespace) -> StorageReadModel | None:
 def storage_read_line(cluster: ClusterSpec, chosen: StorageReadModel | None,
                       block_tokens: int) -> str:
     """One line saying how fast the cluster's storage NICs read its model's Full Blocks, and a
-    second with `experiments.storage_fit.block_size_note` when the calibrated flat rate meets
+    second with `plan.storage_note.block_size_note` when the calibrated flat rate meets
     blocks far from the size it was fitted on."""
     model = chosen or storage_read_model(cluster.hardware.name)
     nominal = cluster.hardware.storage_nic_bytes_per_s
@@ -170,7 +170,7 @@ def storage_read_line(cluster: ClusterSpec, chosen: StorageReadModel | None,
             f"{nominal / GB:g} GB/s line rate")
     if chosen is not None:
         return line
-    from dualpath.experiments.storage_fit import block_size_note  # the experiments' data: lazily
+    from dualpath.plan.storage_note import block_size_note  # the experiments' data: lazily
 
     note = block_size_note(block, nominal, cluster.hardware.name)
     return f"{line}\n{note}" if note else line

@@ -3,7 +3,7 @@
 Never imports `dualpath.sim`. Its files, each importing only those before it (an import-linter
 `layers` contract; one line each in docs/architecture.md):
 
-- layout:    `kvlayout` (Full / Layer Block bytes; the store itself is `dualpath.core.store`).
+- layout:    `kvlayout` (Full / Layer Block bytes; the store itself is `dualpath.store`).
 - the model: the `model` subpackage (GGUF reading, tokenizer, sampling, the Llama forward,
              a DE's paged KV, weights, what a node builds its model from).
 - transport: `traffic` (rate-limited NIC ports on `dualpath.transport.pacing`), `transfer`

@@ -32,7 +32,6 @@ from typing import Any
 
 from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import DualPathError, SpecError
-from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.messages import (
     Cancel,
@@ -57,6 +56,7 @@ from dualpath.runtime.run_config import RunConfig, scheduler_params
 from dualpath.runtime.scheduler_process import SCHEDULER_NODE, SchedulerConfig, serve_scheduler
 from dualpath.runtime.transfer import SegmentInfo
 from dualpath.sched.types import WaitingRequest
+from dualpath.store import BlockStore
 
 
 class RunError(DualPathError):

@@ -13,7 +13,7 @@ Times the same calls the engines make, on one thread (as a node runs torch):
   to the next turn's submission (what the control plane adds beyond the step costs).
 
 Each point is the median of `repeats` timings after one warm-up. Nothing is fitted here
-(`dualpath.experiments.step_profile` fits and writes the file).
+(`dualpath.plan.step_profile` fits and writes the file).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dualpath.core.step_grid import StepGrid
-from dualpath.core.store import BlockStore
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache
 from dualpath.runtime.model.sampling import SamplingParams
+from dualpath.store import BlockStore
 
 if TYPE_CHECKING:
     from dualpath.runtime.run_config import RunConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from dualpath.core.store import BlockStore
 from dualpath.runtime.node_context import NodeContext
+from dualpath.store import BlockStore
 from dualpath.transport.pacing import sleep_until
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
-from dualpath.core.storage import StorageReadModel
+from dualpath.core.read_rate import StorageReadModel
 from dualpath.core.validate import non_negative, non_negative_int, positive, positive_int
 from dualpath.sched.mode import MODE_PRESETS, Mode, mode_preset
 from dualpath.sched.params import SchedulerParams
@@ -95,7 +95,7 @@ class SimParams:
     """Aggregate read cap of the storage cluster (0: none; each storage NIC is its own cap)."""
     storage_read: StorageReadModel | None = None
     """The storage NICs' effective KV read rate. None: the hardware preset's calibrated record
-    (`dualpath.core.storage.storage_read_model`); `NOMINAL` reads at the line rate."""
+    (`dualpath.core.read_rate.storage_read_model`); `NOMINAL` reads at the line rate."""
     is_group_synchronized: bool | None = None
     """Synchronize each node's engines per forward step (EP group). None: iff the model is MoE."""
     utilization_bin_s: float = 10.0

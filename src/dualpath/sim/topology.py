@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dualpath.core.errors import SpecError
-from dualpath.core.storage import storage_read_model
+from dualpath.core.read_rate import storage_read_model
 from dualpath.sched import cost as costmod
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import WaitingRequest

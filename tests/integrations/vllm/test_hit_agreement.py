@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
+from dualpath.store import BlockStore
 
 BLOCK_BYTES = 8
 

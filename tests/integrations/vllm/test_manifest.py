@@ -12,13 +12,13 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.manifest import (
     MAX_WAVE,
     Shard,
     StoreManifest,
     read_manifests,
 )
+from dualpath.store import BlockStore
 
 KEY = bytes(range(16))
 

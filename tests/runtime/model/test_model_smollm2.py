@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.runtime.model.kv_cache import KVCache
 from dualpath.runtime.model.llama import Model
 from dualpath.runtime.model.sampling import SamplingParams
@@ -21,6 +20,7 @@ from dualpath.runtime.model.weights import (
     smollm2_folder,
     smollm2_gguf_path,
 )
+from dualpath.store import BlockStore
 
 try:
     smollm2_gguf_path()

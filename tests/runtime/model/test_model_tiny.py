@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
 from dualpath.runtime.model.kv_cache import DecodeSequence, KVCache, KVCacheFullError
 from dualpath.runtime.model.llama import Model
@@ -26,6 +25,7 @@ from dualpath.runtime.model.weights import (
     tiny_random_model,
     tiny_random_weights,
 )
+from dualpath.store import BlockStore
 
 BLOCK = 16
 

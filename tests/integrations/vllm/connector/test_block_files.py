@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
@@ -30,6 +30,7 @@ from dualpath.integrations.vllm.connector.plan import (
     namespace_key,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
+from dualpath.store import BlockStore
 
 KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError, paged_kv_bases
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.manifest import Shard
+from dualpath.store import HEADER_BYTES, BlockStore
 
 KV_DEVICE = torch.device(os.environ.get("DUALPATH_TEST_DEVICE", "cpu"))  # conftest.py
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn",

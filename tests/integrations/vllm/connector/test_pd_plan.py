@@ -8,9 +8,9 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
 from dualpath.integrations.vllm.manifest import LoadReport, RouteParams
+from dualpath.store import BlockStore
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)

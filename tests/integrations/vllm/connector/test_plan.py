@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import (
     BACKGROUND_LOAD_THREADS,
     Planner,
     namespace_key,
     storage_read_disciplines,
 )
+from dualpath.store import BlockStore
 
 BS = 4
 NS = namespace_key("test-model", "float32", BS)

@@ -22,7 +22,6 @@ import torch
 pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.ports import free_port
 from dualpath.integrations.vllm.connector import remote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
@@ -39,6 +38,7 @@ from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
 from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
+from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool
@@ -624,7 +624,7 @@ PREFILL_HOST_SCRIPT = """
 import json, sys
 import torch
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
+from dualpath.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.remote import PrefillRemote

@@ -17,7 +17,6 @@ import torch
 pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.ports import free_ports
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
@@ -31,6 +30,7 @@ from dualpath.integrations.vllm.connector.remote import DecodeRemote, PrefillRem
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.integrations.vllm.manifest import Shard
+from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.slots import SlotPool
 

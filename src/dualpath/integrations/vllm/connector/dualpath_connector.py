@@ -54,10 +54,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
+from dualpath.integrations.vllm.connector.compat import (
+    DISK_HIT_SOURCE,
+    HEADS_FIRST_LAYOUT,
+    kv_cache_layout,
+    resumed_req_ids,
+)
 from dualpath.integrations.vllm.connector.kvio import KVWorker, WorkerCounters
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
@@ -84,6 +88,7 @@ from dualpath.integrations.vllm.connector.vllm_metrics import (
     storage_events,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
+from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
 
 if TYPE_CHECKING:
@@ -161,7 +166,7 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     # when 1, so stores of a block a file keep their keys).
     namespace = namespace_key(FORMAT_TAG, model_identity(str(mc.model)), str(mc.dtype),
                               block_size, page_bytes, len(layer_names),
-                              kv_cache_config.kv_cache_layout,
+                              kv_cache_layout(kv_cache_config),
                               *((f"blocks_per_file={g}",) if g > 1 else ()))
     return _Layout(block_size, layer_names, page_bytes, namespace, g)
 
@@ -169,7 +174,15 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
 class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Persists full KV blocks to a `BlockStore` and loads stored prefixes back."""
 
-    _cache_hit_source = CacheHitSource.DISK
+    _cache_hit_source = DISK_HIT_SOURCE
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache. Its saves and pushes end inside the step that fills a
+        block, so a request preempted after that step has no hand-off to protect; vLLM's
+        default (the kv_role's `is_kv_producer`) would drop and recompute its in-flight
+        output."""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -193,7 +206,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model_config = vllm_config.model_config
         if model_config is not None and getattr(model_config, "use_mla", False):
             return None
-        return "LBHNC"
+        return HEADS_FIRST_LAYOUT
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -483,11 +496,12 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             planner.schedule_new(new.req_id, new.block_ids[0], new.num_computed_tokens,
                                  scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             planner.schedule_cached(
                 req_id, new_ids[0] if new_ids is not None else None,
-                is_resumed=req_id in cached.resumed_req_ids,
+                is_resumed=req_id in resumed,
                 num_computed_tokens=cached.num_computed_tokens[i],
                 num_scheduled_tokens=scheduler_output.num_scheduled_tokens[req_id])
         plan = planner.take_plan()

@@ -46,9 +46,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.manifest import Shard
+from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
 
 T = TypeVar("T")

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
@@ -33,6 +32,7 @@ from dualpath.integrations.vllm.connector.side_channel.wire import (
     encode,
     expect,
 )
+from dualpath.store import BlockStore
 from dualpath.transport.slots import SlotPool
 
 MESSAGES = [

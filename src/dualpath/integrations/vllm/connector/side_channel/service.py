@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.side_channel.client import (
     RemotePool,
     SideChannelClient,
@@ -28,6 +27,7 @@ from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
+from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool

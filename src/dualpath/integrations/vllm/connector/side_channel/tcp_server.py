@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.wire import (
     Alloc,
@@ -34,6 +33,7 @@ from dualpath.integrations.vllm.connector.side_channel.wire import (
     decode,
     encode,
 )
+from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
 
 

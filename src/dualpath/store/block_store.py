@@ -1,60 +1,5 @@
-"""`BlockStore`: Full Blocks on a filesystem path, keyed by prefix-chained block keys.
-
-Layout (under `root`, which may be a local folder or a 3FS / NFS mount; all engine processes of
-all nodes open the same root):
-
-    root/store.json                    {"format": ..., "full_block_bytes": N}; fixed per store
-    root/<kk>/<key hex>.blk            one file per Full Block; <kk> = first key byte (256 dirs)
-    root/.tmp/.tmp-<key hex>-<host>-<pid>-<n>   a write in progress (never read); <host> is a
-                                       tag of the writer's host name, <n> unique in its process
-
-    .blk file = header (64 B) + payload (full_block_bytes B)
-    header    = magic "DPKVBLK1" | version u16 | key length u16 | payload bytes u64 |
-                payload crc32c u32 | header crc32c u32 | key (32 B, zero padded) | pad
-
-Why one file per Full Block: storage I/O always moves whole Full Blocks (paper §4.1), so a
-block is read with one `open` + one `preadv` of a contiguous extent (header and payload land in
-preallocated buffers in one system call; a block over `READ_CHUNK_BYTES`, one `preadv` per
-piece, each checksummed while in the caches). Files per Layer Block would multiply the file
-count and the per-read open/metadata cost by `num_layers` (30 for SmolLM2) for no benefit, since
-no reader ever wants a single layer from storage. A Full Block is `num_layers * block_size *
-kv_bytes_per_token_per_layer` (2.9 MB for SmolLM2 in fp32 at 64 tokens), well above the size
-where per-file overhead matters. One file per block (rather than append-only segments) keeps
-writers on different nodes independent: there is no shared index to update, a block becomes
-visible to every reader the moment its rename lands, and the filesystem is the index, so
-`contains` is a `stat`.
-
-Atomicity: `put` writes a temp file in the store's one temp folder, fsyncs it (when
-`is_durable`), then `os.replace`s it onto the final name (a rename within one file system,
-which POSIX makes atomic). A writer killed at any point leaves at most a `.tmp-*` file,
-which readers never open; the final name only ever refers to a complete file.
-The first open of a store root in a process removes the temp files of writers on this host
-that are no longer running (and any older than an hour). Temps live in `.tmp/` so that this
-sweep lists one small folder, not the 256 block folders and every block in them (on a
-network file system, pages of entries fetched one round trip at a time, by every worker,
-side channel and router that opens the store); the open that creates `.tmp/` walks the
-block folders once, for temps that earlier versions left beside the blocks. A put that
-fails (a full disk, a read-only mount) removes its temp file, is counted in
-`num_failed_puts` and raises; callers that persist KV in the background count it and carry
-on (the block is a later cache miss).
-
-Capacity (optional, `capacity_bytes`): the store keeps about that many bytes of block files
-and evicts whole blocks, least recently used first (the later of a file's atime and mtime; a
-hit refreshes the atime once a minute, whatever the mount's atime policy), down to
-`EVICT_TO` of it. A writer keeps an estimate (the last scan's total plus what it wrote since)
-and scans the store when that passes the capacity; blocks other processes write count from
-its next scan, so several writers together may pass the capacity for a while. A write in
-progress is a temp file, never evicted, and a put never evicts the block it just wrote. An
-evicted block is a later miss (recompute), and a reader that has it open reads it whole.
-
-Integrity: every read checks the magic, the key, the size and the CRC32C of the payload (the
-SSE4.2 instruction, ~15 GB/s, so verification costs a few percent of a read); a block
-that fails is counted as corrupt, removed, and reported as a miss, so the caller recomputes it
-and a later `put` rewrites it. Whatever else sits at a block's path and cannot be read (a
-directory, a FIFO, a file without read permission, an I/O error) is counted as unreadable and
-reported as a miss. Nothing is lost: a miss only costs recompute. `docs/reliability.md` has
-the whole list of promises and the tests that hold them.
-"""
+"""`BlockStore`: Full Blocks on a filesystem path, keyed by prefix-chained block keys (the
+package docstring, `dualpath.store`, describes the layout and its promises)."""
 
 from __future__ import annotations
 
@@ -62,10 +7,7 @@ import contextlib
 import itertools
 import json
 import os
-import socket
-import struct
 import tempfile
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -75,46 +17,43 @@ from typing import Any
 import crc32c
 
 from dualpath.core.blocks import longest_prefix as _longest_prefix
-from dualpath.core.errors import DualPathError
+from dualpath.core.errors import DualPathError, SpecError
 from dualpath.core.validate import positive_int
+from dualpath.store.fileio import (
+    create_temp,
+    first_open_here,
+    fsync_dir,
+    is_dead_local_writer,
+    pieces,
+    preadv_all,
+    touch,
+    write_all,
+)
+from dualpath.store.format import FORMAT, HEADER_BYTES, MAX_KEY_BYTES, check_header, encode_header
 
-FORMAT = "dualpath-blockstore-v1"
-MAGIC = b"DPKVBLK1"
-VERSION = 1
-MAX_KEY_BYTES = 32
-HEADER_BYTES = 64
-_FIXED = struct.Struct("<8sHHQI")  # magic, version, key length, payload bytes, payload crc32c
-_HEADER_CRC = struct.Struct("<I")
-# Header: fixed fields (24 B) | header crc32c (4 B) | key (32 B) | zero pad (4 B) = 64 B.
-_KEY_OFFSET = _FIXED.size + _HEADER_CRC.size
-assert _KEY_OFFSET + MAX_KEY_BYTES <= HEADER_BYTES
 STALE_TEMP_AGE_S = 3600.0
 """A temp file older than this is stale whoever wrote it (no put takes an hour)."""
-_HOST_TAG = f"{crc32c.crc32c(socket.gethostname().encode()):08x}"
-"""Which host a temp file's pid belongs to (host names may hold `-`; the tag never does)."""
-_TMP_IDS = itertools.count()
-"""Per process, not per store: two stores of one process (nodes launched as threads) writing
-the same key must not pick the same temp name."""
-_SWEPT_ROOTS: set[str] = set()
-"""Store roots (real paths) whose stale temps this process has swept."""
-_SWEPT_LOCK = threading.Lock()
 TEMP_DIR = ".tmp"
 """The folder under a store root where every write in progress lives."""
 EVICT_TO = 0.9
 """A store over its capacity evicts down to this fraction of it (so a scan is rare)."""
 CRC_RELEASE_GIL_BYTES = int(os.environ.get("DUALPATH_CRC_RELEASE_GIL_BYTES", 256 * 1024))
 """A buffer at least this large is checksummed with the GIL released (other threads run
-meanwhile); a smaller one holds it (`DUALPATH_CRC_RELEASE_GIL_BYTES` overrides it). On this
-2-core VM, releasing it per 64 KiB page (a 16-token block's page of a 70B rank) cost three
-times the CPU of the checksum itself with 16 reader threads (each call then waits for the GIL
-back): 3.3 GB per CPU-second against 9.1 held."""
+meanwhile); a smaller one holds it (`DUALPATH_CRC_RELEASE_GIL_BYTES` overrides it): with many
+reader threads, releasing it for every small page costs more CPU than the checksum itself,
+since each call then waits for the GIL back (docs/measurements.md, "Block store")."""
 READ_CHUNK_BYTES = 4 << 20
 """`get_into` reads a block this many payload bytes at a time and checksums each piece
-right after its read, while it is still in the CPU's caches (one `preadv` per piece): a
-32 MiB file read whole and then checksummed took about 20% more CPU per byte here (2-core
-EPYC, 32 MiB L3) than in 4 MiB pieces. Blocks up to this size are one `preadv`."""
-TOUCH_AFTER_S = 60.0
-"""A hit on a block whose atime is older than this sets it to now (LRU recency)."""
+right after its read, while it is still in the CPU's caches (one `preadv` per piece); a large
+file read whole and then checksummed costs more CPU per byte. Blocks up to this size are one
+`preadv`."""
+DEFAULT_FILE_MODE = 0o600
+"""Block files hold prompt content: owner-only unless the store is configured otherwise."""
+
+
+def dir_mode_of(file_mode: int) -> int:
+    """The folder mode for files of `file_mode`: each class that may read may also search."""
+    return file_mode | ((file_mode & 0o444) >> 2)
 
 
 class StoreError(DualPathError):
@@ -151,30 +90,6 @@ class StoreCounters:
         return self.num_hits + self.num_misses + self.num_corrupt + self.num_unreadable
 
 
-def _encode_header(key: bytes, payload_bytes: int, payload_crc: int) -> bytes:
-    fixed = _FIXED.pack(MAGIC, VERSION, len(key), payload_bytes, payload_crc)
-    key_field = key.ljust(MAX_KEY_BYTES, b"\0")
-    header_crc = crc32c.crc32c(key_field, crc32c.crc32c(fixed))
-    head = fixed + _HEADER_CRC.pack(header_crc) + key_field
-    return head.ljust(HEADER_BYTES, b"\0")
-
-
-def _check_header(header: bytes | bytearray, key: bytes, payload_bytes: int) -> int | None:
-    """The payload CRC the header promises, or None when the header is not valid for `key`."""
-    magic, version, key_len, size, payload_crc = _FIXED.unpack_from(header, 0)
-    (header_crc,) = _HEADER_CRC.unpack_from(header, _FIXED.size)
-    mv = memoryview(header)
-    key_field = mv[_KEY_OFFSET : _KEY_OFFSET + MAX_KEY_BYTES]
-    if crc32c.crc32c(key_field, crc32c.crc32c(mv[: _FIXED.size])) != header_crc:
-        return None
-    if magic != MAGIC or version != VERSION or size != payload_bytes:
-        return None
-    if key_len != len(key) or key_field[:key_len] != key:
-        return None
-    if any(mv[_KEY_OFFSET + MAX_KEY_BYTES :]):  # the pad is zero: every header byte is checked
-        return None
-    return int(payload_crc)
-
 
 class BlockStore:
     """Full Blocks of one fixed size on a filesystem path.
@@ -184,16 +99,26 @@ class BlockStore:
     """
 
     def __init__(self, root: Path | str, full_block_bytes: int, *, is_durable: bool = True,
-                 capacity_bytes: int | None = None) -> None:
+                 capacity_bytes: int | None = None, file_mode: int = DEFAULT_FILE_MODE
+                 ) -> None:
         """Open (creating if needed) the store at `root` for blocks of `full_block_bytes`.
 
         `is_durable=False` skips fsync: writes are still atomic against a process crash (the
         page cache survives it) but not against a power loss; meant for tests and benches.
         `capacity_bytes`: evict least recently used blocks beyond about that many bytes of
-        block files (None: keep every block). Raises StoreError if `root` already holds
-        blocks of another size.
+        block files (None: keep every block). `file_mode`: the permission bits of every file
+        this store creates (folders get the matching search bits); owner-only by default,
+        since blocks hold prompt content. Raises StoreError if `root` already holds blocks of
+        another size.
         """
         positive_int("blockstore", "full_block_bytes", full_block_bytes)
+        if not isinstance(file_mode, int) or isinstance(file_mode, bool) or \
+                not 0 <= file_mode <= 0o777 or not file_mode & 0o600 == 0o600:
+            raise SpecError("blockstore", "file_mode", oct(file_mode) if isinstance(
+                file_mode, int) else file_mode, "must be permission bits (0o600..0o777) that "
+                "let the owner read and write")
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode_of(file_mode)
         if capacity_bytes is not None:
             positive_int("blockstore", "capacity_bytes", capacity_bytes)
         self.root = Path(root)
@@ -208,11 +133,10 @@ class BlockStore:
         self._open_meta()
         self._temp_dir = f"{self._root_str}/{TEMP_DIR}"
         try:
-            os.mkdir(self._temp_dir)
-            is_new_temp_dir = True
+            is_new_temp_dir = self._mkdir(self._temp_dir)
         except OSError:  # there already (or a read-only store: puts fail and are counted)
             is_new_temp_dir = False
-        if _first_open_here(self._root_str) or is_new_temp_dir:
+        if first_open_here(self._root_str) or is_new_temp_dir:
             self.counters.num_stale_temps_removed = self.remove_stale_temp(
                 in_block_folders=is_new_temp_dir)
 
@@ -221,7 +145,10 @@ class BlockStore:
         meta_path = self.root / "store.json"
         want: dict[str, Any] = {"format": FORMAT, "full_block_bytes": self.full_block_bytes}
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if not self.root.is_dir():
+                self.root.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):  # another user's folder: theirs to set
+                    os.chmod(self.root, self.dir_mode)
         except OSError as exc:
             raise StoreError(f"{self.root}: cannot create store root ({exc.strerror})") from None
         if not meta_path.exists():
@@ -250,6 +177,7 @@ class BlockStore:
         fd, tmp_name = tempfile.mkstemp(prefix=".tmp-store.json-", dir=self.root)
         tmp = Path(tmp_name)
         try:
+            os.fchmod(fd, self.file_mode)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(want) + "\n")
             # Another process may win the race; os.link fails if it did, and we then read
@@ -264,6 +192,16 @@ class BlockStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+    def _mkdir(self, path: str) -> bool:
+        """Create folder `path` with the store's mode (whatever the umask); an existing one is
+        left as it is. Returns whether it was created."""
+        try:
+            os.mkdir(path, self.dir_mode)
+        except FileExistsError:
+            return False
+        os.chmod(path, self.dir_mode)
+        return True
 
     # -- paths -----------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
@@ -304,13 +242,14 @@ class BlockStore:
         if not overwrite and path.exists():
             self.counters.num_skipped_puts += 1
             return False
-        header = _encode_header(key, mv.nbytes, crc32c.crc32c(mv))
+        header = encode_header(key, mv.nbytes, crc32c.crc32c(mv))
         tmp = ""
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = _create_temp(self._temp_dir, path.stem)
+            if not os.path.isdir(path.parent):
+                self._mkdir(os.fspath(path.parent))
+            fd, tmp = create_temp(self._temp_dir, path.stem, self.file_mode)
             try:
-                _write_all(fd, [header, mv])
+                write_all(fd, [header, mv])
                 if self.is_durable:
                     os.fsync(fd)
             finally:
@@ -325,7 +264,7 @@ class BlockStore:
                 self.counters.num_failed_puts += 1
             raise
         if self.is_durable:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         self.counters.num_puts += 1
         self.counters.written_bytes += self.file_bytes
         if self.capacity_bytes is not None:
@@ -411,9 +350,9 @@ class BlockStore:
         got = 0
         crc = 0
         try:
-            for n, piece in enumerate(_pieces(views, READ_CHUNK_BYTES)):
+            for n, piece in enumerate(pieces(views, READ_CHUNK_BYTES)):
                 want = sum(v.nbytes for v in piece)
-                got_now = _preadv_all(fd, [header, *piece] if n == 0 else piece, got)
+                got_now = preadv_all(fd, [header, *piece] if n == 0 else piece, got)
                 got += got_now
                 if got_now < want + (HEADER_BYTES if n == 0 else 0):
                     break  # a short file: not a block
@@ -421,7 +360,7 @@ class BlockStore:
                     crc = crc32c.crc32c(v, crc, gil_release_mode=int(
                         v.nbytes >= CRC_RELEASE_GIL_BYTES))
             if self.capacity_bytes is not None:
-                _touch(fd)
+                touch(fd)
         except OSError:  # a directory (EISDIR), a FIFO (ESPIPE), an I/O error
             self.counters.num_unreadable += 1
             return False
@@ -429,7 +368,7 @@ class BlockStore:
             os.close(fd)
         payload_crc = None
         if got == self.file_bytes:
-            payload_crc = _check_header(header, key, self.full_block_bytes)
+            payload_crc = check_header(header, key, self.full_block_bytes)
         if payload_crc is None or crc != payload_crc:
             self._quarantine(path)
             return False
@@ -480,7 +419,7 @@ class BlockStore:
             temps = itertools.chain(temps, self.root.glob("[0-9a-f][0-9a-f]/.tmp-*"))
         for tmp in temps:
             with contextlib.suppress(OSError):
-                if _is_dead_local_writer(tmp.name) or now - tmp.stat().st_mtime > max_age_s:
+                if is_dead_local_writer(tmp.name) or now - tmp.stat().st_mtime > max_age_s:
                     tmp.unlink()
                     removed += 1
         return removed
@@ -488,119 +427,3 @@ class BlockStore:
     def keys(self) -> list[bytes]:
         """Keys of all stored blocks (a directory walk; for tools and tests)."""
         return [bytes.fromhex(p.stem) for p in sorted(self.root.glob("*/*.blk"))]
-
-
-def _first_open_here(root: str) -> bool:
-    """Whether this is the process's first open of store `root` (then it sweeps)."""
-    real = os.path.realpath(root)
-    with _SWEPT_LOCK:
-        if real in _SWEPT_ROOTS:
-            return False
-        _SWEPT_ROOTS.add(real)
-        return True
-
-
-def _touch(fd: int) -> None:
-    """Mark an open block as used now (its atime), at most once per `TOUCH_AFTER_S`."""
-    st = os.fstat(fd)
-    now_ns = time.time_ns()
-    if now_ns - st.st_atime_ns > TOUCH_AFTER_S * 1e9:
-        with contextlib.suppress(OSError):  # a read-only store: recency is only a hint
-            os.utime(fd, ns=(now_ns, st.st_mtime_ns))
-
-
-def _create_temp(folder: str, stem: str) -> tuple[int, str]:
-    """A new temp file in `folder` for the block file named `stem`, opened for writing:
-    `(fd, name)`.
-
-    The name says who writes it (host tag, pid), so a later open can tell a dead writer's
-    leftovers from a live one's; a name taken already (a pid reused since a crash) is skipped.
-    """
-    while True:
-        name = f"{folder}/.tmp-{stem}-{_HOST_TAG}-{os.getpid()}-{next(_TMP_IDS)}"
-        try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name
-        except FileExistsError:
-            continue
-        except FileNotFoundError:  # the temp folder was removed while the store was open
-            os.makedirs(folder, exist_ok=True)
-
-
-def _is_dead_local_writer(name: str) -> bool:
-    """Whether temp file `name` was written by a process of this host that has exited."""
-    parts = name.split("-")  # ".tmp", key hex, host tag, pid, n
-    if len(parts) != 5 or parts[2] != _HOST_TAG or not parts[3].isdigit():
-        return False
-    pid = int(parts[3])
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: alive, another user's
-        return False
-    return False
-
-
-def _write_all(fd: int, buffers: list[Any]) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-MAX_IOVECS = 512
-"""Buffers per `preadv` at most (Linux refuses more than IOV_MAX, 1024, with EINVAL)."""
-
-
-def _pieces(views: list[memoryview], size: int) -> list[list[memoryview]]:
-    """`views` in order, in runs of about `size` bytes (a run closes once it holds `size`,
-    or `MAX_IOVECS - 1` buffers, room left for a header; a larger view is cut in `size`
-    pieces)."""
-    runs: list[list[memoryview]] = [[]]
-    held = 0
-    for v in views:
-        for lo in range(0, max(v.nbytes, 1), size):
-            runs[-1].append(v[lo:lo + size])
-            held += min(size, v.nbytes - lo)
-            if held >= size or len(runs[-1]) >= MAX_IOVECS - 1:
-                runs.append([])
-                held = 0
-    return [run for run in runs if run] or [[]]
-
-
-def _preadv_all(fd: int, buffers: list[Any], offset: int = 0) -> int:
-    """preadv from `offset` until the buffers are full or the file ends; returns the bytes
-    read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, offset + total)
-        if n == 0:
-            break
-        total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

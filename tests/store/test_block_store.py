@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.core import store as store_module
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.core.store import HEADER_BYTES, BlockStore, StoreError
+from dualpath.store import HEADER_BYTES, BlockStore, StoreError, fileio
+from dualpath.store import block_store as store_module
 
 BLOCK_BYTES = 4096
 
@@ -207,7 +207,7 @@ def test_opening_a_store_removes_the_temps_of_dead_writers_only(tmp_path: Path) 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # Names as `put` makes them: .tmp-<key>-<host tag>-<pid>-<n>.
-        tag = store_module._HOST_TAG
+        tag = fileio._HOST_TAG
         temps = {pid: folder / f".tmp-{key.hex()}-{tag}-{pid}-0"
                  for pid in (dead.pid, alive.pid, os.getpid())}
         for t in temps.values():
@@ -236,7 +236,7 @@ def test_writes_in_progress_live_in_one_folder_the_sweep_lists(tmp_path: Path) -
     folder.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    name = f".tmp-{key.hex()}-{store_module._HOST_TAG}-{dead.pid}"
+    name = f".tmp-{key.hex()}-{fileio._HOST_TAG}-{dead.pid}"
     beside = folder / f"{name}-0"
     beside.write_bytes(b"partial")
     store = BlockStore(tmp_path, BLOCK_BYTES, is_durable=False)
@@ -336,3 +336,37 @@ def test_threads_opening_a_new_store_together_all_read_its_metadata(tmp_path: Pa
         for t in threads:
             t.join()
     assert errors == []
+
+
+def _modes(root: Path) -> dict[str, set[int]]:
+    """The permission bits of every file and folder under `root`, by kind."""
+    modes: dict[str, set[int]] = {"file": set(), "dir": set()}
+    for p in [root, *root.rglob("*")]:
+        modes["dir" if p.is_dir() else "file"].add(p.stat().st_mode & 0o777)
+    return modes
+
+
+def test_a_new_store_is_readable_by_its_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = BlockStore(tmp_path / "s", BLOCK_BYTES, is_durable=False)
+        store.put(b"k" * 16, payload(1))
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "s") == {"file": {0o600}, "dir": {0o700}}
+
+
+def test_a_configured_group_mode_is_applied_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        store = BlockStore(tmp_path / "s", BLOCK_BYTES, is_durable=False, file_mode=0o640)
+        store.put(b"k" * 16, payload(1))
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "s") == {"file": {0o640}, "dir": {0o750}}
+
+
+@pytest.mark.parametrize("mode", [0o400, 0o1777, -1])
+def test_a_mode_that_locks_out_the_owner_is_refused(tmp_path: Path, mode: int) -> None:
+    with pytest.raises(SpecError, match="file_mode"):
+        BlockStore(tmp_path, BLOCK_BYTES, file_mode=mode)

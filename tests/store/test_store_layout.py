@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.core.errors import SpecError
-from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
+from dualpath.store import BlockStore
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=5, dtype="float32")
 

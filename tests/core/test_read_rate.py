@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dualpath.core.errors import DualPathError
-from dualpath.core.storage import (
+from dualpath.core.read_rate import (
     NOMINAL,
     THREEFS_PEAK_FRACTION,
     THREEFS_READS_IN_FLIGHT,

@@ -25,7 +25,7 @@ nominal rate `R`:
            = 42 / 46.57 GiB/s (400 Gb/s) = 0.90; the 3FS README's KVCache client peak,
            40 GiB/s on one 400 Gb/s NIC, is 0.86.
 
-  Only `C` is left to fit (`dualpath.experiments.storage_fit`); with `C` = 32 (3FS#410's own
+  Only `C` is left to fit (`dualpath.reproduce.storage_fit`); with `C` = 32 (3FS#410's own
   depth) the form reads 1 MiB at 0.50 and 4 MiB at 0.70 of the line rate, the two points.
 
 Records per hardware preset live in the packaged `data/storage_calibration.json`, each with a
@@ -247,7 +247,7 @@ def write_storage_record(hardware: str, model: StorageReadModel, extra: dict[str
     return p
 
 
-ABOUT = ("Effective storage read model per hardware preset (dualpath.core.storage), for "
+ABOUT = ("Effective storage read model per hardware preset (dualpath.core.read_rate), for "
          "Full Blocks of S bytes: rate(S) = S / (S / (read_efficiency * nominal) + "
          "per_block_overhead_s) (flat, per_block); or, with reads_in_flight C > 0 (queued), "
          "min(peak_fraction * nominal, C * S / (read_latency_s + S / stream_bytes_per_s)). "
