@@ -2,6 +2,8 @@ import pytest
 
 from dualpath.core.blocks import (
     ROOT_KEY,
+    KeyScope,
+    MediaSpan,
     aligned_hit_tokens,
     block_key,
     block_keys,
@@ -61,3 +63,31 @@ def test_the_hit_rule_leaves_the_last_token_to_compute() -> None:
     assert hit_blocks(keys, len(tokens) + 1, set().__contains__, 4, first=2) == 2
     with pytest.raises(ValueError, match="2 block keys"):
         hit_blocks(keys[:2], len(tokens) + 1, every, 4)
+
+
+def test_requests_that_differ_only_in_salt_adapter_or_media_share_no_key() -> None:
+    tokens = list(range(256))
+    ns = b"n" * 16
+    scopes = [KeyScope(), KeyScope(cache_salt="a"), KeyScope(cache_salt="b"),
+              KeyScope(adapter=("x", "/lora/x")), KeyScope(adapter=("x", "/lora/x2")),
+              KeyScope(adapter=("y", "/lora/x")),
+              KeyScope(cache_salt="a", adapter=("x", "/lora/x")),
+              KeyScope(media=(MediaSpan("img1", 70, 20),)),
+              KeyScope(media=(MediaSpan("img2", 70, 20),)),
+              KeyScope(media=(MediaSpan("img1", 72, 20),))]
+    chains = [block_keys(tokens, 64, ns, s) for s in scopes]
+    seen: set[bytes] = set()
+    for i, keys in enumerate(chains):
+        if i >= 7:  # media only changes the blocks from the one holding it on
+            assert keys[0] == chains[0][0]
+            keys = keys[1:]
+        assert not seen & set(keys), scopes[i]
+        seen |= set(keys)
+
+
+def test_the_empty_scope_keys_as_before_and_the_same_scope_alike() -> None:
+    tokens = list(range(200))
+    assert block_keys(tokens, 64, b"n" * 16, KeyScope()) == block_keys(tokens, 64, b"n" * 16)
+    salted = KeyScope(cache_salt="t", media=(MediaSpan("i", 10, 5),))
+    assert block_keys(tokens, 64, b"n" * 16, salted) == block_keys(
+        tokens, 64, b"n" * 16, KeyScope(cache_salt="t", media=(MediaSpan("i", 10, 5),)))

@@ -3,12 +3,19 @@ hit rule every real world applies (the runtime's driver, the vLLM router and con
 
 A block covers `block_size` tokens. Only full blocks get keys (a trailing partial block is not
 stored), so the longest cached prefix of a prompt is a walk over its keys.
+
+A block's KV depends on more than its tokens: the model and KV format (the chain's parent, a
+namespace), and per request on what vLLM's own block hash covers: the tenant's cache salt, the
+LoRA adapter, and the multimodal inputs whose placeholder tokens the block holds. `KeyScope`
+carries those, so two requests that differ in any of them never share a key.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from dualpath.core.errors import SpecError
 
@@ -17,22 +24,76 @@ KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
 
 
-def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Key of one full block given its parent's key (ROOT_KEY for the first block)."""
+def block_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Key of one full block given its parent's key (ROOT_KEY for the first block); `extra`:
+    what else the block's KV depends on (`KeyScope.block_extra`; empty: nothing)."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    if extra:  # after a fixed-length token run, behind a byte no token run ends the hash on
+        h.update(b"\xffextra")
+        h.update(extra)
     return h.digest()
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """A multimodal input in a prompt: the engine's hash of its content (vLLM's
+    `mm_feature.identifier`) and the placeholder tokens it occupies."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """What a request's KV depends on besides the model and its token ids, as vLLM's block
+    hash sees it: `cache_salt` (a tenant's), the LoRA `adapter` (name, path: a name pointed at
+    other weights is another adapter), and the multimodal inputs (`media`). The empty scope
+    is a base-model request of no tenant, keyed by its tokens alone."""
+
+    cache_salt: str | None = None
+    adapter: tuple[str, str] | None = None
+    media: tuple[MediaSpan, ...] = ()
+
+    def namespace(self, parent: bytes) -> bytes:
+        """The parent key of this request's chain: `parent` (the model's namespace) itself
+        for a request without salt or adapter, else a hash of both."""
+        if self.cache_salt is None and self.adapter is None:
+            return parent
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(b"\xffscope")
+        h.update(json.dumps([self.cache_salt, self.adapter]).encode())
+        return h.digest()
+
+    def block_extra(self, start: int, stop: int) -> bytes:
+        """What tokens `[start, stop)` hold besides their ids: each multimodal input they
+        overlap, by its hash and its offset from `start` (the same image at another place in
+        otherwise equal placeholder tokens is another block)."""
+        inside = [(m.identifier, m.offset - start) for m in self.media
+                  if m.offset < stop and m.offset + m.length > start]
+        return json.dumps(inside).encode() if inside else b""
+
+
+NO_SCOPE = KeyScope()
+"""The empty scope: a base-model request of no tenant."""
+
+
 def block_keys(
-    tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, parent: bytes = ROOT_KEY
+    tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, parent: bytes = ROOT_KEY,
+    scope: KeyScope | None = None,
 ) -> list[bytes]:
-    """Keys of every full block of `tokens` (a trailing partial block gets none)."""
+    """Keys of every full block of `tokens` (a trailing partial block gets none), chained
+    from `parent` within `scope` (None: the empty scope)."""
     if block_size < 1:
         raise SpecError("blocks", "block_size", block_size, "must be an integer >= 1")
+    if scope is not None:
+        parent = scope.namespace(parent)
     keys: list[bytes] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_key(parent, tokens[start : start + block_size])
+        stop = start + block_size
+        extra = scope.block_extra(start, stop) if scope is not None and scope.media else b""
+        parent = block_key(parent, tokens[start:stop], extra)
         keys.append(parent)
     return keys
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dualpath.core.blocks import block_keys, hit_blocks
+from dualpath.core.blocks import KeyScope, block_keys, hit_blocks
 from dualpath.core.datafile import write_text_atomic
 from dualpath.core.errors import SpecError
 
@@ -133,13 +133,13 @@ class StoreManifest:
         return Shard.last(self.tp_size, self.pp_size).key(key)
 
     def hit_blocks(self, tokens: Sequence[int], is_stored: Callable[[bytes], bool],
-                   threads: Executor | None = None) -> int:
+                   threads: Executor | None = None, scope: KeyScope | None = None) -> int:
         """A prompt's stored prefix in whole blocks (whole files of `blocks_per_file`), as the
         connectors find it: the one rule, `core.blocks.hit_blocks`, over keys chained from
-        this namespace (each file's `stored_key`). With `threads`, `is_stored` runs on them in
-        waves from file 0 on, stopping after the first wave with a file missing (`in_waves`):
-        the same count."""
-        keys = block_keys(tokens, self.block_size, self.namespace_bytes)
+        this namespace within the request's `scope` (each file's `stored_key`). With
+        `threads`, `is_stored` runs on them in waves from file 0 on, stopping after the first
+        wave with a file missing (`in_waves`): the same count."""
+        keys = block_keys(tokens, self.block_size, self.namespace_bytes, scope)
         g = self.blocks_per_file
 
         def check(key: bytes) -> bool:

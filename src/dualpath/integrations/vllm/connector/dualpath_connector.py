@@ -77,6 +77,7 @@ from dualpath.integrations.vllm.connector.remote import (
     PrefillRemote,
     host_bounce_option,
 )
+from dualpath.integrations.vllm.connector.scope import request_scope
 from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
 from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
@@ -109,8 +110,11 @@ id, which carries the router's X-Request-Id) are in the instance's log."""
 PD_ROLES = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
 """vLLM's kv_role -> the connector's role in DualPath's P/D flow (`plan.Planner.role`)."""
 
-FORMAT_TAG = "dualpath-vllm-v1"
-"""Part of every key's namespace: bump when the payload layout changes."""
+FORMAT_TAG = "dualpath-vllm-v2"
+"""Part of every key's namespace: bump when the payload layout or the key derivation changes.
+v2 keys every block within its request's scope (cache salt, LoRA adapter, multimodal inputs):
+blocks a v1 connector wrote stop matching, since a v1 key did not say which tenant or adapter
+computed it."""
 
 
 @dataclass
@@ -467,8 +471,13 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.warning("DualPathConnector: request %s: %s; served without DualPath's "
                            "P/D transfer", request.request_id, e)
             route = None
+        scope, why = request_scope(request, self._layout.block_size)
+        if scope is None:
+            logger.info("DualPathConnector: request %s is not keyed (%s): served without "
+                        "loads from or saves to the store", request.request_id, why)
+            self._stats.add(unkeyed_requests=1)
         self._sched().add_request(request.request_id, request.all_token_ids, route,
-                                  num_prompt_tokens=request.num_prompt_tokens)
+                                  num_prompt_tokens=request.num_prompt_tokens, scope=scope)
         self._requests[request.request_id] = request
 
     def on_new_request(self, request: Request) -> None:

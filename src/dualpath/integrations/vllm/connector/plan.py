@@ -6,8 +6,11 @@ connector metadata. Nothing here touches vllm, torch or the bytes of a block.
 
 Keys: the block keys of `dualpath.core.blocks` (prefix-chained over the token ids, one per full
 block of `block_size` tokens), chained from a `namespace` that names the model and the KV
-format, so two models never share a key. Only full blocks have keys; a partial tail is never
-stored or loaded.
+format, so two models never share a key, within the request's `KeyScope` (its cache salt, LoRA
+adapter and multimodal inputs, as vLLM's own block hash covers them), so two tenants, adapters
+or images never share one either. A request the connector cannot key safely (scope None: e.g.
+prompt embeddings) neither loads from nor saves to the store; its P/D transfer, which is its
+own KV, still runs. Only full blocks have keys; a partial tail is never stored or loaded.
 
 Files: a store file holds `blocks_per_file` (g) aligned vLLM blocks of a request, file `i` its
 blocks `[i * g, (i + 1) * g)`, under the key of its last block (`BlockTransfer.keys`), stored
@@ -46,7 +49,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dualpath.core.blocks import KEY_BYTES, block_key, hit_blocks, max_hit_blocks
+from dualpath.core.blocks import (
+    KEY_BYTES,
+    NO_SCOPE,
+    KeyScope,
+    block_key,
+    hit_blocks,
+    max_hit_blocks,
+)
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.manifest import LOADS_KEY, PARAMS_KEY, LoadReport, RouteParams
 
@@ -247,6 +257,9 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     """Keys of the first `len(keys)` blocks (computed as the request grows)."""
+    scope: KeyScope | None = NO_SCOPE
+    """What the request's KV depends on besides its tokens; None: it cannot be keyed safely,
+    and never touches the store."""
     num_saved: int = 0
     """Blocks below this index were planned for saving (or found stored)."""
     num_prompt_tokens: int = 0
@@ -302,12 +315,15 @@ class Planner:
     # -- request lifecycle ------------------------------------------------------------------
     def add_request(self, req_id: str, tokens: Sequence[int],
                     route: RouteParams | None = None,
-                    num_prompt_tokens: int | None = None) -> None:
+                    num_prompt_tokens: int | None = None,
+                    scope: KeyScope | None = NO_SCOPE) -> None:
         """A new request; `tokens` is a live view that grows with its outputs. `route`: the
-        router's orders (ignored on a single instance)."""
+        router's orders (ignored on a single instance). `scope`: what its KV depends on
+        besides the tokens (None: it cannot be keyed safely; no store loads or saves)."""
         self._requests[req_id] = _Request(
             tokens=tokens, route=route if self.role != "both" else None,
-            num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens)
+            num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens,
+            scope=scope)
         limit = self._limit(len(tokens))
         if self.role == "prefill" and route is not None and route.hit_blocks > limit:
             # The router counts by the same rule over the same tokens, so this is a router
@@ -373,6 +389,11 @@ class Planner:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    def is_keyed(self, req_id: str) -> bool:
+        """Whether the request's blocks have store keys (False: it never touches the store)."""
+        req = self._requests.get(req_id)
+        return req is not None and req.scope is not None
+
     # -- hits -------------------------------------------------------------------------------
     def match(self, req_id: str, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` whose KV is stored (block aligned; may be 0).
@@ -394,7 +415,10 @@ class Planner:
             # block that vanished since is a load error. Asked again after a background load
             # was issued, that load failed (or the request was preempted): no hit is offered
             # twice, the rest is recomputed.
-            end = local if req.load_issued else max(min(self._route(route)[1], limit), local)
+            end = local if req.load_issued or req.scope is None else max(
+                min(self._route(route)[1], limit), local)
+        elif req.scope is None:
+            end = local
         else:
             end = hit_blocks(self._keys(req, limit), len(req.tokens), self._is_stored, bs,
                              first=local, blocks_per_file=self.blocks_per_file)
@@ -509,6 +533,8 @@ class Planner:
                     own.stop))
                 req.pushed = True
             return
+        if req.scope is None:
+            return  # no key: never written where another request could find it
         # Blocks whose every token's KV exists after this step (and whose tokens are known),
         # in whole files: a file is saved once its last block is done, never torn.
         done = min(end // bs, len(req.tokens) // bs, len(req.block_ids)) // g * g
@@ -542,11 +568,17 @@ class Planner:
         return min(-(-route.pe_blocks // g) * g, hit), hit
 
     def _keys(self, req: _Request, num_blocks: int) -> list[bytes]:
+        """The request's first `num_blocks` keys (`core.blocks.block_keys` within its scope,
+        computed once as the request grows)."""
         bs = self.block_size
+        scope = req.scope
+        if scope is None:
+            raise ValueError("a request without a key scope has no store keys")
         while len(req.keys) < num_blocks:
             i = len(req.keys)
-            parent = req.keys[-1] if req.keys else self.namespace
-            req.keys.append(block_key(parent, req.tokens[i * bs : (i + 1) * bs]))
+            parent = req.keys[-1] if req.keys else scope.namespace(self.namespace)
+            extra = scope.block_extra(i * bs, (i + 1) * bs) if scope.media else b""
+            req.keys.append(block_key(parent, req.tokens[i * bs : (i + 1) * bs], extra))
         return req.keys
 
     def _transfer(self, req_id: str, req: _Request, start: int, stop: int) -> BlockTransfer:

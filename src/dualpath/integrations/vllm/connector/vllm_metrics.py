@@ -1,4 +1,4 @@
-"""`DualPathConnector` in vLLM's own telemetry (issue 28, deliver 3).
+"""`DualPathConnector` in vLLM's own telemetry.
 
 - Connector stats: `DualPathStats` (a `KVConnectorStats`), filled by both sides of the
   connector (`get_kv_connector_stats`): the scheduler side counts what the prefill loads gave
@@ -45,6 +45,9 @@ COUNTERS = {
     "saved_blocks": "Full blocks written to the store.",
     "failed_saves": "Blocks that could not be written to the store.",
     "remote_errors": "Side-channel or NIXL failures (each costs a recompute).",
+    "unkeyed_requests": "Requests served without the store: their KV depends on inputs the "
+                        "connector cannot key safely (prompt embeddings, an unhashed "
+                        "multimodal input).",
 }
 """Counters (`vllm:dualpath_<name>_total`); `loaded_*` have a `read_path` label."""
 GAUGES = {

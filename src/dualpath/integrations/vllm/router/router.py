@@ -44,6 +44,7 @@ from typing import Any
 import httpx2
 from fastapi.responses import Response, StreamingResponse
 
+from dualpath.core.blocks import NO_SCOPE, KeyScope
 from dualpath.core.errors import SpecError
 from dualpath.http.api_error import ApiError, bad_request, server_error
 from dualpath.integrations.vllm.manifest import LoadReport, RouteParams
@@ -57,6 +58,7 @@ from dualpath.integrations.vllm.router.bodies import (
 from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.failover import RETRIES, Liveness, Retry, is_broken
 from dualpath.integrations.vllm.router.policy import Route, RoutePolicy
+from dualpath.integrations.vllm.router.scope import ModelCatalog, body_scope
 from dualpath.integrations.vllm.router.scrape import Poller
 from dualpath.integrations.vllm.router.upstream import Upstream
 from dualpath.integrations.vllm.router.usage import (
@@ -94,12 +96,17 @@ class Router:
         self.upstream = Upstream(cfg, self.liveness)
         self.poller = Poller(cfg, self.policy, self.liveness, lambda: self.upstream.client,
                              self._place)
+        self.catalog = ModelCatalog(self._models, cfg.model_name)
+        """The instances' models and adapters, for each request's key scope."""
         self.num_queue_timeouts = 0
         self.num_retries = 0
         self.loaded_blocks: Counter[str] = Counter()
         """Blocks the prefill connectors reported loaded, per read side, and "recomputed"."""
         self.num_stream_errors = 0
         """Streams that broke after their first event (ended with an error event)."""
+        self.num_schedules = 0
+        self.schedule_s = 0.0
+        """Calls of the policy's `schedule` and the time spent in them."""
         self._poll_task: asyncio.Task[None] | None = None
         self._stat_threads = ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="dualpath-stat")
         """Where a prompt's stored-prefix checks run, a wave at a time (`manifest.in_waves`)."""
@@ -123,14 +130,18 @@ class Router:
     # -- placement -------------------------------------------------------------------------
     def _place(self) -> None:
         """Run the scheduler and wake the requests it placed."""
-        for route in self.policy.schedule():
+        began = time.perf_counter()
+        routes = self.policy.schedule()
+        self.schedule_s += time.perf_counter() - began
+        self.num_schedules += 1
+        for route in routes:
             fut = self._waiters.pop(route.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(route)
 
-    async def _placed(self, rid: int) -> Route:
+    async def _placed(self, request_id: int) -> Route:
         fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
-        self._waiters[rid] = fut
+        self._waiters[request_id] = fut
         self._place()
         try:
             return await asyncio.wait_for(fut, self.cfg.queue_timeout_s)
@@ -142,14 +153,14 @@ class Router:
             raise server_error(HTTPStatus.SERVICE_UNAVAILABLE, "no instance could take the "
                                f"request within {self.cfg.queue_timeout_s:g} s{why}") from None
         finally:
-            self._waiters.pop(rid, None)
+            self._waiters.pop(request_id, None)
 
-    def _release(self, rid: int, is_ok: bool) -> None:
-        if self.policy.is_known(rid):
+    def _release(self, request_id: int, is_ok: bool) -> None:
+        if self.policy.is_known(request_id):
             if is_ok:
-                self.policy.finished(rid)
+                self.policy.finished(request_id)
             else:
-                self.policy.abort(rid)
+                self.policy.abort(request_id)
         self._place()
 
     # -- requests --------------------------------------------------------------------------
@@ -198,9 +209,20 @@ class Router:
         decode = [(Role.DECODE, j) for j in range(len(self.cfg.decode))]
         return [(role, i) for role, i in prefill + decode if self.policy.is_up(role, i)]
 
-    def hit_blocks(self, tokens: Sequence[int]) -> int:
-        """The prompt's stored prefix in whole blocks, as the connectors will find it."""
-        return self.cfg.manifest.hit_blocks(tokens, self.store.contains, self._stat_threads)
+    def hit_blocks(self, tokens: Sequence[int], scope: KeyScope | None = NO_SCOPE) -> int:
+        """The prompt's stored prefix in whole blocks, as the connectors will find it within
+        the request's key scope (None: a request they do not key counts none)."""
+        if scope is None:
+            return 0
+        return self.cfg.manifest.hit_blocks(tokens, self.store.contains, self._stat_threads,
+                                            scope)
+
+    async def _models(self) -> Any:
+        """A prefill instance's `/v1/models` (the catalog of base models and adapters)."""
+        url = self.cfg.prefill[next(self._tokenize_turn) % len(self.cfg.prefill)]
+        resp = await self.upstream.client.get(url + "/v1/models")
+        resp.raise_for_status()
+        return resp.json()
 
     async def handle(self, body: Any, is_chat: bool, trace_id: str | None = None) -> Response:
         """One completion or chat request, routed (the module docstring's steps); `trace_id`
@@ -213,40 +235,41 @@ class Router:
         if "model" not in body and self.cfg.model is not None:
             body = {**body, "model": self.cfg.model}
         gen = gen_tokens(body)
-        trace = trace_id or uuid.uuid4().hex
+        trace_id = trace_id or uuid.uuid4().hex
+        scope = await body_scope(body, is_chat, self.catalog)
         tokens = await self.tokens(body, is_chat)
-        hit = await asyncio.to_thread(self.hit_blocks, tokens)
-        rid = next(self._ids)
-        self.policy.submit(rid, len(tokens), hit, gen)
+        hit = await asyncio.to_thread(self.hit_blocks, tokens, scope)
+        request_id = next(self._ids)
+        self.policy.submit(request_id, len(tokens), hit, gen)
         is_handed_off = is_ok = False
         try:
             for attempt in itertools.count():
                 try:
-                    resp, is_handed_off = await self._attempt(rid, body, is_chat, is_stream,
-                                                              trace)
+                    resp, is_handed_off = await self._attempt(request_id, body, is_chat,
+                                                              is_stream, trace_id)
                 except Retry as e:
                     if attempt >= RETRIES:
                         raise e.error from None
                     self.num_retries += 1
-                    log.warning("request %s: %s; placed again", trace, e.error.message)
-                    self.policy.requeue(rid)
+                    log.warning("request %s: %s; placed again", trace_id, e.error.message)
+                    self.policy.requeue(request_id)
                     continue
                 is_ok = not is_handed_off
-                resp.headers[REQUEST_ID_HEADER] = trace
+                resp.headers[REQUEST_ID_HEADER] = trace_id
                 return resp
             raise AssertionError("unreachable")
         finally:
             if not is_handed_off:
-                self._release(rid, is_ok)
+                self._release(request_id, is_ok)
 
-    async def _attempt(self, rid: int, body: dict[str, Any], is_chat: bool, is_stream: bool,
-                       trace: str) -> tuple[Response, bool]:
+    async def _attempt(self, request_id: int, body: dict[str, Any], is_chat: bool,
+                       is_stream: bool, trace_id: str) -> tuple[Response, bool]:
         """One placement of the request through a prefill and a decode instance: the
         response, and whether a stream took over the request's release. An instance that
         fails before anything reached the client raises `Retry`."""
-        route = await self._placed(rid)
+        route = await self._placed(request_id)
         path = "/v1/chat/completions" if is_chat else "/v1/completions"
-        headers = {REQUEST_ID_HEADER: trace}
+        headers = {REQUEST_ID_HEADER: trace_id}
         # A fresh transfer id and the decode instance of this placement: nothing of an
         # earlier attempt (slots staged or pushed on a failed instance) is ever read.
         params = RouteParams(xfer=uuid.uuid4().hex, de=self.cfg.sides[route.decode],
@@ -255,7 +278,7 @@ class Router:
         pre = await self.upstream.post_or_retry(Role.PREFILL, route.prefill,
                                                 self.cfg.prefill[route.prefill] + path,
                                                 prefill_body(body, is_chat, params), headers)
-        self.policy.prefill_done(rid)
+        self.policy.prefill_done(request_id)
         self._place()
         try:
             kv = pre.json().get("kv_transfer_params")
@@ -264,7 +287,7 @@ class Router:
         try:
             report = LoadReport.from_params(kv) if isinstance(kv, dict) else None
         except SpecError as e:
-            log.warning("request %s: prefill instance %s: %s", trace,
+            log.warning("request %s: prefill instance %s: %s", trace_id,
                         self.cfg.prefill[route.prefill], e)
             report = None
         if report is not None:
@@ -301,12 +324,12 @@ class Router:
             await stream.aclose()
             raise
         usage = (cached, extension)
-        return StreamingResponse(self._relay(rid, route.decode, url, stream, first, events,
-                                             usage),
+        return StreamingResponse(self._relay(request_id, route.decode, url, stream, first,
+                                             events, usage),
                                  media_type=stream.headers.get("content-type",
                                                                "text/event-stream")), True
 
-    async def _relay(self, rid: int, index: int, url: str, resp: httpx2.Response,
+    async def _relay(self, request_id: int, index: int, url: str, resp: httpx2.Response,
                      first: bytes, events: AsyncIterator[bytes],
                      usage: tuple[int, dict[str, Any]]) -> AsyncIterator[bytes]:
         """The decode instance's events to the client, whole, their usage (when the client
@@ -325,7 +348,7 @@ class Router:
             yield f"data: {json.dumps(err.body())}\n\n".encode() + DONE_EVENT
         finally:
             await resp.aclose()
-            self._release(rid, is_ok)
+            self._release(request_id, is_ok)
 
     async def models(self) -> Response:
         index = next((i for i in range(len(self.cfg.prefill))
@@ -357,6 +380,8 @@ class Router:
         snap.update(mode=self.cfg.mode, model=self.cfg.model_name, health=self.health()[0],
                     retries=self.num_retries, stream_errors=self.num_stream_errors,
                     queue_timeouts=self.num_queue_timeouts,
+                    schedule_calls=self.num_schedules, schedule_seconds=self.schedule_s,
+                    polls=self.poller.num_polls,
                     block_size=self.cfg.manifest.block_size,
                     full_block_bytes=self.cfg.manifest.full_block_bytes)
         return snap
