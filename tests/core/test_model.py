@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from dualpath.core.model import (
     AttentionKind,
     ConfigError,
     ModelSpec,
+    model_from_hf_config,
     model_preset,
 )
 
@@ -124,3 +126,26 @@ def test_kv_heads_that_do_not_divide_the_heads_are_refused(
         ModelSpec.from_hf_config(path)
     assert main(["simulate", "--agents", "1", "--model-config", str(path)]) == 2
     assert "num_key_value_heads" in capsys.readouterr().err
+
+
+def test_tensor_parallel_needs_heads_that_split_and_a_known_hidden_size() -> None:
+    from dualpath.core.errors import SpecError
+
+    m = model_preset("smollm2-135m")  # 9 attention heads
+    m.check_tensor_parallel(3)
+    with pytest.raises(SpecError, match="num_attention_heads=9: must be divisible by the "
+                                        "tensor-parallel size 2"):
+        m.check_tensor_parallel(2)
+    with pytest.raises(SpecError, match="hidden_size=0"):
+        m.with_overrides(hidden_size=0).check_tensor_parallel(3)
+
+
+@pytest.mark.parametrize("kv", [0, 3, 8, True])
+def test_impossible_kv_element_sizes_are_refused(kv: int, tmp_path: Path) -> None:
+    from dualpath.core.errors import SpecError
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "intermediate_size": 128}))
+    with pytest.raises(SpecError, match="kv_dtype_bytes=.*must be 1 \\(FP8\\), 2"):
+        model_from_hf_config(tmp_path, kv_dtype_bytes=kv)

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.model import model_preset
+from dualpath.core.model import dense_gqa_spec, model_preset
 from dualpath.sched.cost import (
     CostCoefficients,
     CostFileError,
+    allreduce_time_s,
     coefficients_for,
     decode_kv_read_bytes,
     decode_step_time_s,
     default_cost_file,
+    kv_room_bytes,
     load_cost_coefficients,
     prefill_attention_time_s,
     prefill_ffn_time_s,
@@ -120,3 +122,40 @@ def test_lookup_order_and_errors_name_file_and_field(tmp_path: Path) -> None:
         load_cost_coefficients("m", "h", broken)
     with pytest.raises(CostFileError, match="cannot read"):
         load_cost_coefficients("m", "h", tmp_path / "missing.json")
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+
+H200 = hardware_preset("h200")
+LLAMA70 = dense_gqa_spec("llama-70b", hidden=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                         head_dim=128, intermediate=28672, vocab_size=128256, kv_dtype_bytes=2,
+                         weight_dtype_bytes=2)
+
+
+def test_a_tensor_parallel_engine_shards_the_weights_and_pays_two_allreduces_per_layer() -> None:
+    c = dataclasses.replace(UNIT, allreduce_latency_s=2e-5, allreduce_efficiency=0.5)
+    one, eight = H200, H200.engine_view(8)
+    # Compute and memory scale with the engine's GPUs; the all-reduces come on top.
+    ar = 2 * 80 * (2e-5 + 64 * 8192 * 2 * 2 * 7 / 8 / (0.5 * H200.nvlink_bytes_per_s))
+    assert allreduce_time_s(LLAMA70, eight, 64, c) == pytest.approx(ar)
+    assert allreduce_time_s(LLAMA70, one, 64, c) == 0.0
+    assert decode_step_time_s(LLAMA70, eight, 64, 64 * 4096, c) == pytest.approx(
+        decode_step_time_s(LLAMA70, one, 64, 64 * 4096, c) / 8 + ar)
+    assert prefill_ffn_time_s(LLAMA70, eight, 64, c) == pytest.approx(
+        prefill_ffn_time_s(LLAMA70, one, 64, c) / 8 + ar)
+    assert prefill_ffn_time_s(LLAMA70, eight, 0, c) == 0.0
+    # 141 GB of BF16 weights leave one 141 GB GPU nothing; eight of them hold the rest.
+    assert kv_room_bytes(LLAMA70, one, 0.1, 1) == 0.0
+    assert kv_room_bytes(LLAMA70, eight, 0.1, 1) == pytest.approx(
+        8 * H200.hbm_bytes * 0.9 - LLAMA70.weight_bytes)
+
+
+def test_kv_heads_fewer_than_gpus_are_held_on_several_and_read_by_each() -> None:
+    m = model_preset("smollm2-135m")  # 3 KV heads, 9 heads
+    nine = hardware_preset("dgx-h100").with_overrides(gpus_per_node=9).engine_view(9)
+    assert m.kv_replicas(9) == 3 and m.kv_replicas(1) == 1
+    assert decode_kv_read_bytes(m, 1, 100, 9) == 3 * decode_kv_read_bytes(m, 1, 100)
+    room = nine.hbm_bytes * 0.9 - m.weight_bytes
+    assert kv_room_bytes(m, nine, 0.1, 1) == pytest.approx(room / 3)
+    mla = model_preset("ds-27b")
+    assert mla.kv_replicas(4) == 4  # the latent serves every head: every GPU holds it

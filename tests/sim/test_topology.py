@@ -116,3 +116,27 @@ def test_nodes_engines_links_and_groups_follow_the_cluster_spec(is_sync: bool) -
         assert e in cl.dgroup_of[e].engines
     assert all(e in cl.pgroup_of[e].engines for e in range(g))
     assert list(cl.de_nodes) == [1, 2]
+
+
+def test_a_dense_70b_fits_tensor_parallel_engines_and_their_nics_follow_them() -> None:
+    from dualpath.core.errors import SpecError
+    from dualpath.core.model import dense_gqa_spec
+
+    llama = dense_gqa_spec("llama-70b", hidden=8192, num_layers=80, num_heads=64,
+                           num_kv_heads=8, head_dim=128, intermediate=28672, vocab_size=128256,
+                           kv_dtype_bytes=2, weight_dtype_bytes=2)
+    h200 = hardware_preset("h200")
+    wl = trajectories(num_agents=4, num_turns=2, append=256, gen=8, first=8192)
+    # One GPU cannot hold 141 GB of BF16 weights and any KV: the error says what would help.
+    with pytest.raises(SpecError, match=r"larger engines \(--tensor-parallel-size\)"):
+        run_offline(ClusterSpec(h200, llama, 1, 2), wl, "dualpath")
+    spec = ClusterSpec(h200, llama, 1, 2, tensor_parallel_size=8)
+    assert (spec.num_prefill_engines, spec.num_decode_engines, spec.num_gpus) == (1, 2, 24)
+    cl = Cluster(SimConfig(spec, wl))
+    assert [n.engines for n in cl.nodes] == [[0], [1], [2]]
+    # One engine per node, with all eight GPUs' compute NICs and HBM.
+    assert cl.cnic_bytes_per_s == 8 * min(h200.compute_nic_bytes_per_s, h200.pcie_bytes_per_s)
+    assert cl.de_hbm_kv_bytes == pytest.approx(8 * h200.hbm_bytes * 0.9 - llama.weight_bytes)
+    r = run_offline(spec, wl, "dualpath")
+    assert r.stop_reason == "completed" and r.num_completed == wl.num_turns
+    assert r.cluster == "1P2D TP8"

@@ -56,6 +56,11 @@ class ModelSpec:
     is_moe: bool = False
     """MoE models run attention data-parallel and FFN expert-parallel across a node."""
     source: str = ""
+    hidden_size: int = 0
+    """Width of the residual stream: what a tensor-parallel engine all-reduces per token and
+    layer. 0: not known (the model cannot be planned tensor-parallel)."""
+    num_kv_heads: int = 0
+    """KV heads of a GQA or MHA model; 0 for MLA (one latent serves every head)."""
 
     def __post_init__(self) -> None:
         owner = f"model[{self.name}]"
@@ -72,6 +77,8 @@ class ModelSpec:
         non_negative_int(owner, "dsa_top_k", self.dsa_top_k)
         non_negative_int(owner, "dsa_index_heads", self.dsa_index_heads)
         non_negative_int(owner, "dsa_index_head_dim", self.dsa_index_head_dim)
+        non_negative_int(owner, "hidden_size", self.hidden_size)
+        non_negative_int(owner, "num_kv_heads", self.num_kv_heads)
         if (self.attention is AttentionKind.MLA_DSA) != (self.dsa_top_k > 0):
             raise SpecError(
                 owner, "dsa_top_k", self.dsa_top_k, "must be > 0 exactly when attention is mla-dsa"
@@ -86,6 +93,33 @@ class ModelSpec:
     def kv_bytes(self, num_tokens: float) -> float:
         """KV bytes of `num_tokens` tokens over all layers."""
         return self.kv_bytes_per_token * num_tokens
+
+    # -- tensor parallelism ----------------------------------------------------------------
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Raise SpecError unless an engine of `tensor_parallel_size` GPUs can shard this
+        model: its attention heads split evenly over the GPUs (vLLM refuses otherwise) and its
+        hidden size, which sets the all-reduces, is known."""
+        owner = f"model[{self.name}]"
+        positive_int(owner, "tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size == 1:
+            return
+        if self.num_attention_heads % tensor_parallel_size:
+            raise SpecError(owner, "num_attention_heads", self.num_attention_heads,
+                            f"must be divisible by the tensor-parallel size "
+                            f"{tensor_parallel_size}")
+        if not self.hidden_size:
+            raise SpecError(owner, "hidden_size", self.hidden_size,
+                            "must be known (> 0) for a tensor-parallel engine")
+
+    def kv_replicas(self, tensor_parallel_size: int) -> int:
+        """Copies of each token's KV an engine of `tensor_parallel_size` GPUs holds in HBM:
+        heads are split over the GPUs, so a GQA model with fewer KV heads than GPUs keeps each
+        on several (vLLM's rule), and MLA's latent, shared by every head, is on every GPU."""
+        if tensor_parallel_size <= 1:
+            return 1
+        if self.attention in (AttentionKind.MLA, AttentionKind.MLA_DSA):
+            return tensor_parallel_size
+        return max(1, tensor_parallel_size // max(1, self.num_kv_heads))
 
     # -- FLOPs -----------------------------------------------------------------------------
     @property
@@ -230,6 +264,7 @@ def _deepseek_v32() -> ModelSpec:
         dsa_index_heads=64,
         dsa_index_head_dim=128,
         is_moe=True,
+        hidden_size=hidden,
         source=(
             "DeepSeek-V3.2 HF config: hidden 7168, 61 layers, 128 heads, MLA (q_lora 1536, "
             "kv_lora 512, nope 128, rope 64, v 128), 3 dense layers (18432) then 256 routed + 1 "
@@ -259,6 +294,7 @@ def _ds_27b() -> ModelSpec:
         dsa_index_heads=32,
         dsa_index_head_dim=64,
         is_moe=True,
+        hidden_size=hidden,
         source=(
             "paper A.2: hidden 2560, 30 layers, 32 heads, 72 routed experts (moe 1536, 6 "
             "active, 2 shared), 1 dense layer (12288), indexer 32x64, top-k 1024; MLA dims not "
@@ -299,6 +335,8 @@ def dense_gqa_spec(
         ffn_active_params_per_token=ffn,
         weight_bytes=float(weight_dtype_bytes * (attn * num_layers + ffn + embed)),
         source=source,
+        hidden_size=hidden,
+        num_kv_heads=num_kv_heads,
     )
 
 
@@ -355,6 +393,8 @@ def model_preset(name: str) -> ModelSpec:
 # -- HuggingFace config.json -----------------------------------------------------------------
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+KV_DTYPE_BYTES = (1, 2, 4)
+"""Bytes per KV-cache element a serving engine stores: FP8, FP16/BF16, FP32."""
 
 
 class ConfigError(DualPathError, ValueError):
@@ -380,6 +420,10 @@ def model_from_hf_config(
     dtype bytes, or the 656 B FP8 format when `kv_dtype_bytes=1`; V3.2 adds DSA indexer keys).
     The KV dtype defaults to the config's `torch_dtype`.
     """
+    if kv_dtype_bytes is not None and (isinstance(kv_dtype_bytes, bool)
+                                       or kv_dtype_bytes not in KV_DTYPE_BYTES):
+        raise SpecError("model", "kv_dtype_bytes", kv_dtype_bytes,
+                        "must be 1 (FP8), 2 (FP16/BF16) or 4 (FP32)")
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -472,6 +516,7 @@ def model_from_hf_config(
             dsa_index_head_dim=index_dim,
             is_moe=True,
             source=f"from {where} ({model_type})",
+            hidden_size=hidden,
         )
     raise ConfigError(
         f"{where}: field 'model_type'={model_type!r} is not supported "

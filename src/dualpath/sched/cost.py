@@ -19,6 +19,14 @@ Shape of the model (each term scaled by a fitted coefficient, the "trained roofl
   dense weights replicated) plus the KV it reads, over `decode_hbm_efficiency * HBM bandwidth`;
   with DSA the indexer keys of all context tokens are read but main KV only for
   `min(context, top_k)` of them. The step never runs faster than its compute time.
+- tensor parallelism: `hw` is the engine's view of the node (`HardwareSpec.engine_view`), so an
+  engine of `t` GPUs has `t` times one GPU's FLOP/s, HBM and HBM bandwidth, and its KV heads
+  split over them (`ModelSpec.kv_replicas` when they cannot). Each forward pass adds two
+  all-reduces per layer (after attention and after the FFN) of the tokens' hidden states, each
+  `allreduce_latency_s + bytes * 2(t-1)/t / (allreduce_efficiency * NVLink)` (a ring), charged
+  with the FFN phase of a prefill pass and on top of a decode step. Kernels' efficiency is the
+  same at every `t` (shards of smaller GEMMs run less efficiently: docs/measurements.md has the
+  comparison with Vidur's profiles).
 
 Coefficients live in `dualpath/data/cost_coefficients.json`, one entry per (model, hardware)
 with `*` wildcards and a `source` note; override any of them with `dataclasses.replace`.
@@ -49,6 +57,9 @@ class CostFileError(DualPathError, ValueError):
 
 DEFAULT_HBM_RESERVE_FRACTION = 0.1
 """`CostCoefficients.hbm_reserve_fraction` unless a cost entry sets it."""
+
+ACTIVATION_BYTES = 2
+"""Bytes per element of the hidden states a tensor-parallel engine all-reduces (BF16)."""
 
 
 @dataclass(frozen=True)
@@ -83,15 +94,23 @@ class CostCoefficients:
     Oracle at high load (not a value the paper states)."""
     source: str = ""
     """Where the values come from, or what they were fitted to."""
+    allreduce_latency_s: float = 30e-6
+    """Fixed time of one all-reduce across a tensor-parallel engine's GPUs. Default: set from
+    Vidur's published NCCL all-reduce profile of an 8-GPU H100 DGX node (docs/measurements.md)."""
+    allreduce_efficiency: float = 0.85
+    """Fraction of the NVLink bandwidth (`HardwareSpec.nvlink_bytes_per_s`) a ring all-reduce's
+    transfers reach; default from the same profile."""
 
     def __post_init__(self) -> None:
         owner = "cost_coefficients"
-        for name in ("attention_efficiency", "linear_efficiency", "decode_hbm_efficiency"):
+        for name in ("attention_efficiency", "linear_efficiency", "decode_hbm_efficiency",
+                     "allreduce_efficiency"):
             value = getattr(self, name)
             positive(owner, name, value)
             if value > 1.0:
                 raise SpecError(owner, name, value, "is a fraction of peak and must be <= 1")
-        for name in ("per_layer_overhead_s", "per_step_overhead_s", "moe_layer_overhead_s"):
+        for name in ("per_layer_overhead_s", "per_step_overhead_s", "moe_layer_overhead_s",
+                     "allreduce_latency_s"):
             non_negative(owner, name, getattr(self, name))
         non_negative(owner, "hbm_reserve_fraction", self.hbm_reserve_fraction)
         if self.hbm_reserve_fraction >= 1.0:
@@ -232,9 +251,25 @@ def prefill_ffn_time_s(
     model: ModelSpec, hw: HardwareSpec, num_tokens: float, coeffs: CostCoefficients
 ) -> float:
     """FFN / MoE time of one forward pass on one engine processing `num_tokens` new tokens
-    (active experts only; expert-parallel latency as a per-MoE-layer overhead)."""
+    (active experts only; expert-parallel latency as a per-MoE-layer overhead), with the pass's
+    tensor-parallel all-reduces (`allreduce_time_s`)."""
     c = _constants(model, hw, coeffs)
-    return num_tokens * c.ffn_flops / c.linear_flops_per_s + c.moe_overhead_s
+    ffn_s = num_tokens * c.ffn_flops / c.linear_flops_per_s + c.moe_overhead_s
+    if c.tp > 1 and num_tokens > 0:
+        return ffn_s + c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token
+    return ffn_s
+
+
+def allreduce_time_s(
+    model: ModelSpec, hw: HardwareSpec, num_tokens: float, coeffs: CostCoefficients
+) -> float:
+    """The all-reduces of one forward pass over `num_tokens` tokens on a tensor-parallel
+    engine (`hw.gpus_per_engine` GPUs; 0 on one GPU): two per layer, see the module docstring.
+    Included in `prefill_ffn_time_s` and `decode_step_time_s`."""
+    c = _constants(model, hw, coeffs)
+    if c.tp <= 1 or num_tokens <= 0:
+        return 0.0
+    return c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token
 
 
 def prefill_step_time_s(
@@ -254,9 +289,13 @@ def kv_room_bytes(
     model: ModelSpec, hw: HardwareSpec, reserve_fraction: float, num_weight_shards: int
 ) -> float:
     """HBM one engine has left for KV: its capacity less the reserve and its weights (MoE
-    weights sharded over `num_weight_shards` engines, dense weights replicated)."""
+    weights sharded over `num_weight_shards` engines, dense weights replicated), in bytes of
+    KV as `ModelSpec.kv_bytes` counts them (a tensor-parallel engine that holds several copies
+    of each token's KV, `ModelSpec.kv_replicas`, has that much less)."""
     w = model.weight_bytes / num_weight_shards if model.is_moe else model.weight_bytes
-    return max(0.0, hw.hbm_bytes * (1.0 - reserve_fraction) - w)
+    room = max(0.0, hw.hbm_bytes * (1.0 - reserve_fraction) - w)
+    replicas = model.kv_replicas(hw.gpus_per_engine)
+    return room / replicas if replicas > 1 else room
 
 
 def _indexer_key_bytes_per_layer(model: ModelSpec) -> float:
@@ -264,19 +303,23 @@ def _indexer_key_bytes_per_layer(model: ModelSpec) -> float:
     return float(model.dsa_index_head_dim + 4) if model.dsa_top_k else 0.0
 
 
-def decode_kv_read_bytes(model: ModelSpec, batch_size: int, total_context_tokens: float) -> float:
-    """KV bytes one decode step reads for `batch_size` sequences of `total_context_tokens`.
+def decode_kv_read_bytes(model: ModelSpec, batch_size: int, total_context_tokens: float,
+                         tensor_parallel_size: int = 1) -> float:
+    """KV bytes one decode step reads for `batch_size` sequences of `total_context_tokens`,
+    on an engine of `tensor_parallel_size` GPUs (each reads its copy, `ModelSpec.kv_replicas`).
 
     With DSA the indexer keys of every context token are read, but main KV only for
     `min(context, top_k)` tokens per sequence; per-sequence contexts are not known here, so the
     main part is `min(total, batch * top_k)` (exact when all contexts are >= top_k, or all <=).
     """
+    replicas = model.kv_replicas(tensor_parallel_size)
     if not model.dsa_top_k:
-        return model.kv_bytes_per_token * total_context_tokens
+        return replicas * model.kv_bytes_per_token * total_context_tokens
     index_bytes = _indexer_key_bytes_per_layer(model)
     main_bytes = model.kv_bytes_per_token_per_layer - index_bytes
     main_tokens = min(total_context_tokens, batch_size * model.dsa_top_k)
-    return model.num_layers * (index_bytes * total_context_tokens + main_bytes * main_tokens)
+    return replicas * model.num_layers * (index_bytes * total_context_tokens
+                                          + main_bytes * main_tokens)
 
 
 def decode_weight_read_bytes(
@@ -296,7 +339,8 @@ def decode_step_time_s(
     coeffs: CostCoefficients, num_expert_parallel_engines: int | None = None,
 ) -> float:
     """One decode step on one engine (one token for each of `batch_size` sequences holding
-    `total_context_tokens` tokens in all): max(memory time, compute time) + overheads.
+    `total_context_tokens` tokens in all): max(memory time, compute time) + overheads, and a
+    tensor-parallel engine's all-reduces (`allreduce_time_s`).
     `num_expert_parallel_engines`: see `decode_weight_read_bytes`."""
     if batch_size <= 0:
         return 0.0
@@ -313,10 +357,15 @@ def decode_step_time_s(
     else:
         attn_keys = ctx
         kv = c.kv_bytes_per_token * ctx
+    if c.kv_replicas > 1:
+        kv *= c.kv_replicas
     memory_s = (weight + kv) / c.hbm_bytes_per_s
     attn_flops = c.num_layers * (c.per_key * attn_keys + c.per_index_key * ctx)
     compute_s = (attn_flops / c.attn_flops_per_s
                  + batch_size * c.token_linear_flops / c.linear_flops_per_s)
+    if c.tp > 1:
+        return (max(memory_s, compute_s) + c.decode_overhead_s + c.allreduce_fixed_s
+                + batch_size * c.allreduce_s_per_token)
     return max(memory_s, compute_s) + c.decode_overhead_s
 
 
@@ -354,6 +403,15 @@ class _Constants:
             + _num_moe_layers(model) * coeffs.moe_layer_overhead_s
             + coeffs.per_step_overhead_s
         )
+        tp = hw.gpus_per_engine
+        self.tp = tp
+        self.kv_replicas = model.kv_replicas(tp)
+        num_allreduces = 2.0 * model.num_layers
+        self.allreduce_fixed_s = num_allreduces * coeffs.allreduce_latency_s if tp > 1 else 0.0
+        ring_bytes = (2.0 * (tp - 1) / tp * model.hidden_size * ACTIVATION_BYTES)
+        self.allreduce_s_per_token = (
+            num_allreduces * ring_bytes / (coeffs.allreduce_efficiency * hw.nvlink_bytes_per_s)
+            if tp > 1 else 0.0)
 
 
 class _LastConstants:

@@ -31,7 +31,7 @@ class Policy:
 
     def __init__(self, config: SimConfig, coeffs: CostCoefficients, num_de_groups: int) -> None:
         cl = config.cluster
-        base = config.scheduler or derive_scheduler_params(cl.model, cl.hardware, coeffs)
+        base = config.scheduler or derive_scheduler_params(cl.model, cl.engine_hardware, coeffs)
         params: SchedulerParams = base.with_overrides(
             **dict(config.scheduler_overrides),
             path_mode=PathMode(config.mode.paths),
@@ -52,7 +52,7 @@ class Policy:
         self.max_batch_tokens = config.params.max_batch_tokens
         self.kv_bpt = cl.model.kv_bytes_per_token
         self.estimator: AttentionTimeEstimator = (
-            CostModelEstimator(cl.model, cl.hardware, coeffs) if config.step_costs is None
+            CostModelEstimator(cl.model, cl.engine_hardware, coeffs) if config.step_costs is None
             else config.step_costs)
 
     def pe_charge(self, r: WaitingRequest) -> int:

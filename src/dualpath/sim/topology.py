@@ -32,7 +32,8 @@ class Cluster:
     def __init__(self, config: SimConfig) -> None:
         cl = config.cluster
         sp = config.params
-        self.model, self.hw = cl.model, cl.hardware
+        self.model, self.hw = cl.model, cl.engine_hardware
+        """`hw`: the node as its engines see it (one GPU each, or a tensor-parallel group)."""
         coeffs = costmod.coefficients_for(self.model, self.hw)
         if config.cost_overrides:
             coeffs = replace(coeffs, **dict(config.cost_overrides))  # type: ignore[arg-type]
@@ -144,6 +145,14 @@ class Cluster:
                 "sim", "workload", f"turn of {prompt[row]}+{gen[row]} tokens",
                 f"needs {need / 1e9:.1f} GB of decode-engine HBM for KV but an engine has "
                 f"{self.de_hbm_kv_bytes / 1e9:.1f} GB (HBM x {1 - self.hbm_reserve:g} "
-                "minus its weight share); use a shorter --mal, more HBM, smaller KV/weights or a "
-                "larger expert-parallel group (--decode-ep-engines)",
+                f"minus its weight share); {self._fit_hint()}",
             )
+
+    def _fit_hint(self) -> str:
+        """What would give a decode engine more room for KV, for this model."""
+        tp = self.hw.gpus_per_engine
+        more = ("larger engines (--tensor-parallel-size"
+                + (f", now {tp}" if tp > 1 else "") + ")")
+        if self.model.is_moe:
+            more = f"a larger expert-parallel group (--decode-ep-engines) or {more}"
+        return f"use a shorter --mal, more HBM, smaller KV/weights or {more}"
