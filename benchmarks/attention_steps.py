@@ -21,7 +21,7 @@ from dataclasses import replace
 
 os.environ["DUALPATH_PURE_PYTHON"] = "1"  # the wrapper needs the interpreted Handlers
 
-from dualpath.experiments.runner import RunSpec
+from dualpath.plan.runner import RunSpec
 from dualpath.sched import cost as costmod
 from dualpath.sched.params import COMPUTE_QUOTA_S
 from dualpath.sim import handlers as sim_handlers

@@ -47,15 +47,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dualpath.experiments.calibrate import (
-    CALIBRATION_CELLS,
-    HOLDOUT_CELLS,
-    rms_of,
-    scaled_overrides,
-)
-from dualpath.experiments.paper import fig7_point
-from dualpath.experiments.runner import RunSpec, _simulate
-from dualpath.experiments.setups import HARDWARE, setup
+from dualpath.plan.runner import RunSpec, _simulate
+from dualpath.plan.setups import HARDWARE, setup
+from dualpath.reproduce.calibrate import CALIBRATION_CELLS, HOLDOUT_CELLS, rms_of, scaled_overrides
+from dualpath.reproduce.paper import fig7_point
 from dualpath.sched import cost as costmod
 from dualpath.sched.cost import CostCoefficients
 from dualpath.sim import SimResult, simulate

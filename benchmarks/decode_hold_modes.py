@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from dualpath.experiments.runner import RunSpec
+from dualpath.plan.runner import RunSpec
 from dualpath.sim import simulate
 
 

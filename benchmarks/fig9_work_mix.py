@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from dualpath.experiments.offline import FIG9_FACTORS
+from dualpath.reproduce.offline import FIG9_FACTORS
 from dualpath.workload.replay import scale_lengths
 from dualpath.workload.synthetic import generate, preset
 from dualpath.workload.trajectory import Trajectory

@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from dualpath.experiments.online import steady_point
-from dualpath.experiments.runner import RunSpec, _simulate
+from dualpath.plan.capacity import steady_point
+from dualpath.plan.runner import RunSpec, _simulate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dualpath.core.storage import parse_storage_read
-from dualpath.experiments.paper import fig7_point
-from dualpath.experiments.runner import RunSpec
+from dualpath.core.read_rate import parse_storage_read
+from dualpath.plan.runner import RunSpec
+from dualpath.reproduce.paper import fig7_point
 from dualpath.sim import simulate
 from dualpath.sim.config import ReadDiscipline
 

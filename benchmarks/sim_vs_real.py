@@ -69,7 +69,7 @@ def _bench_prompt_tokens(agent: str, filler: int) -> int:
 
 def vllm_half(args: argparse.Namespace) -> int:
     """The storage-bound vLLM P/D benchmark against the simulator on the vLLM profile."""
-    from dualpath.experiments.step_profile import load_profile
+    from dualpath.plan.step_profile import load_profile
     from dualpath.sim import Driver, SimConfig, Workload, mode_preset, simulate
     from dualpath.sim.config import FIFO
 

@@ -42,8 +42,8 @@ import numpy as np
 
 import dualpath.sched.de as de_mod
 import dualpath.sched.pe as pe_mod
-from dualpath.experiments.runner import RunSpec
-from dualpath.experiments.setups import setup
+from dualpath.plan.runner import RunSpec
+from dualpath.plan.setups import setup
 from dualpath.sched.cost import coefficients_for
 from dualpath.sched.params import SchedulerParams, derive_scheduler_params
 from dualpath.sched.path import ReadSideChooser, apply_read_plan, plan_pair_read

@@ -1,5 +1,5 @@
 """The held-out cells of issue 26 under the packaged storage read model and under the
-3FS-derived `queued` form at the same fitted rate (`dualpath.core.storage`), side by side.
+3FS-derived `queued` form at the same fitted rate (`dualpath.core.read_rate`), side by side.
 
     python benchmarks/storage_heldout.py --jobs 2 [--sets fig8,fig9,fig12,qwen] [--csv PATH]
         [--log RUNS.jsonl]
@@ -24,16 +24,12 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from dualpath.core.storage import StorageReadModel
-from dualpath.experiments.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
-from dualpath.experiments.runner import Runner, RunSpec, block_bytes, storage_fraction
-from dualpath.experiments.setups import setup
-from dualpath.experiments.storage_fit import (
-    FIT_SETUP,
-    fit_block_bytes,
-    model_of,
-    packaged_model,
-)
+from dualpath.core.read_rate import StorageReadModel
+from dualpath.plan.runner import Runner, RunSpec, block_bytes, storage_fraction
+from dualpath.plan.setups import setup
+from dualpath.plan.storage_note import FIT_SETUP, fit_block_bytes
+from dualpath.reproduce.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
+from dualpath.reproduce.storage_fit import model_of, packaged_model
 from dualpath.sim import SimResult
 
 SETS = ("fig8", "fig9", "fig12", "qwen")

@@ -12,7 +12,7 @@ on the same model, GPUs, lengths and SLO (issue 31, deliver 5).
    nodes of an aggregated plan; the nodes the prefill workers fill in a disaggregated one, as
    P/D serving loads a request's KV on its prefill worker). Against what one node's storage NIC
    delivers in our simulator: the hardware preset's line rate through its storage read model
-   (`dualpath.core.storage`; the `h200` preset has no fitted record, so its nominal 2 x 400
+   (`dualpath.core.read_rate`; the `h200` preset has no fitted record, so its nominal 2 x 400
    Gb/s), and, for reference, the paper's node (one 400 Gb/s NIC at the read efficiency fitted
    to its Fig. 7, `h800-deepseek`).
 3. Our simulator on the same 16 GPUs (every P/D split of whole nodes), same request shape
@@ -49,12 +49,12 @@ import numpy as np
 
 from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_from_hf_config, model_preset
-from dualpath.core.storage import StorageReadModel, storage_read_model
-from dualpath.experiments.extensions import advise, bottleneck
-from dualpath.experiments.online import OnlinePoint, point_spec, steady_point
-from dualpath.experiments.report import Context
-from dualpath.experiments.runner import Runner
-from dualpath.experiments.setups import setup
+from dualpath.core.read_rate import StorageReadModel, storage_read_model
+from dualpath.plan.advise import advise, bottleneck
+from dualpath.plan.capacity import OnlinePoint, point_spec, steady_point
+from dualpath.plan.runner import Runner
+from dualpath.plan.section import Context
+from dualpath.plan.setups import setup
 from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, mode_preset, simulate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,15 +17,10 @@ import argparse
 import math
 from dataclasses import replace
 
-from dualpath.experiments.calibrate import (
-    CALIBRATION_CELLS,
-    HOLDOUT_CELLS,
-    rms_of,
-    scaled_overrides,
-)
-from dualpath.experiments.paper import fig7_point
-from dualpath.experiments.runner import RunSpec
-from dualpath.experiments.setups import HARDWARE, setup
+from dualpath.plan.runner import RunSpec
+from dualpath.plan.setups import HARDWARE, setup
+from dualpath.reproduce.calibrate import CALIBRATION_CELLS, HOLDOUT_CELLS, rms_of, scaled_overrides
+from dualpath.reproduce.paper import fig7_point
 from dualpath.sched.cost import load_cost_coefficients
 from dualpath.sim import simulate
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli.main import main
-from dualpath.experiments.step_profile import load_profile
+from dualpath.plan.step_profile import load_profile
 from dualpath.runtime.model.weights import tiny_random_model
 from dualpath.runtime.profiler import QUICK_GRID, measure, num_points
 from dualpath.workload.jsonl import save_trajectories, trajectory_file

@@ -1,7 +1,7 @@
 """Step costs measured on a real engine (`dualpath profile`), as plain numbers: the cost model
 the simulator charges in place of the roofline one (`sched.cost`) when a run is given a profile.
 
-Pure data and arithmetic (no file format, no clock): `dualpath.experiments.step_profile` reads and
+Pure data and arithmetic (no file format, no clock): `dualpath.plan.step_profile` reads and
 fits the profile file and hands the fitted coefficients here.
 
 Shape (every coefficient >= 0, so times are non-decreasing in every argument):

@@ -12,13 +12,13 @@ from typing import Any
 
 from dualpath.cli.common import add_storage_read_arg, storage_read_from_args
 from dualpath.core.errors import DualPathError
-from dualpath.experiments.deploy import deployment, render
-from dualpath.experiments.extensions import advise, storage_words
-from dualpath.experiments.ray_backend import RAY_HELP, join
-from dualpath.experiments.report import Context, section_markdown
-from dualpath.experiments.runner import Runner, RunSpec, mal_tokens
-from dualpath.experiments.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
-from dualpath.experiments.step_profile import load_profile
+from dualpath.plan.advise import advise, storage_words
+from dualpath.plan.deploy import deployment, render
+from dualpath.plan.ray_backend import RAY_HELP, join
+from dualpath.plan.runner import Runner, RunSpec, mal_tokens
+from dualpath.plan.section import Context, section_markdown
+from dualpath.plan.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
+from dualpath.plan.step_profile import load_profile
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
 
 

@@ -123,7 +123,7 @@ def _machine(device: str) -> dict[str, Any]:
 
 def _written(out: Path, data: dict[str, Any]) -> str:
     """Write the profile, read it back (validated); its description and the fit's errors."""
-    from dualpath.experiments.step_profile import load_profile, write_profile
+    from dualpath.plan.step_profile import load_profile, write_profile
 
     write_profile(out, data)
     fit = data["fit"]
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     from tqdm import tqdm
 
-    from dualpath.experiments.step_profile import build_profile
+    from dualpath.plan.step_profile import build_profile
     from dualpath.runtime.model.model_source import build_model
     from dualpath.runtime.profiler import measure, num_points
 
@@ -261,7 +261,6 @@ def run_vllm(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dualpath.core.model import model_from_hf_config
-    from dualpath.experiments.step_profile import build_profile, fit_costs
     from dualpath.integrations.vllm.connector.plan import storage_read_disciplines
     from dualpath.integrations.vllm.profiler import (
         DEFAULT_VLLM_GRID,
@@ -272,6 +271,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         start_server,
     )
     from dualpath.integrations.vllm.router.policy import DEFAULT_BETA_TOKENS
+    from dualpath.plan.step_profile import build_profile, fit_costs
 
     grid = QUICK_VLLM_GRID if args.quick else DEFAULT_VLLM_GRID
     if args.repeats is not None:

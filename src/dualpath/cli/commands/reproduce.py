@@ -10,24 +10,24 @@ import time
 from pathlib import Path
 
 from dualpath.core.errors import DualPathError
-from dualpath.experiments.calibrate import (
+from dualpath.plan.ray_backend import RAY_HELP, join
+from dualpath.plan.runner import Runner, RunSpec
+from dualpath.plan.section import Context, section_markdown
+from dualpath.reproduce.calibrate import (
     CALIBRATION_CELLS,
     FIT_RECORD,
     calibrate_setup,
     calibration_to_json,
     write_fitted,
 )
-from dualpath.experiments.ray_backend import RAY_HELP, join
-from dualpath.experiments.registry import (
+from dualpath.reproduce.registry import (
     ALIASES,
     EXPERIMENTS,
     assemble_report,
     resolve,
     run_experiments,
 )
-from dualpath.experiments.report import Context, section_markdown
-from dualpath.experiments.runner import Runner, RunSpec
-from dualpath.experiments.storage_fit import (
+from dualpath.reproduce.storage_fit import (
     STORAGE_RECORD,
     calibrate_storage,
     fits_to_json,

@@ -23,8 +23,8 @@ from dualpath.cli.common import (
 )
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
-from dualpath.experiments.ray_backend import RAY_HELP, join
-from dualpath.experiments.runner import Runner
+from dualpath.plan.ray_backend import RAY_HELP, join
+from dualpath.plan.runner import Runner
 from dualpath.sim import (
     MODE_PRESETS,
     Driver,
@@ -226,7 +226,7 @@ def _trajectory_workload(args: argparse.Namespace, block_size: int) -> Workload:
 def run(args: argparse.Namespace) -> int:
     profile = None
     if args.profile:
-        from dualpath.experiments.step_profile import load_profile
+        from dualpath.plan.step_profile import load_profile
 
         profile = load_profile(args.profile)
         cluster = profile.cluster(args.prefill_nodes, args.decode_nodes)

@@ -18,7 +18,7 @@ all of them, which is what a DualPath prefill does once the stored prefix is loa
 
 Both include the server's own per-request work (HTTP, detokenizing), as every real request
 does. Each point is the median of `repeats` timings after one warm-up. Nothing is fitted here
-(`dualpath.experiments.step_profile` fits and writes the file). Torch-free: runs in `.venv`.
+(`dualpath.plan.step_profile` fits and writes the file). Torch-free: runs in `.venv`.
 """
 
 from __future__ import annotations

