@@ -67,6 +67,7 @@ from dualpath.store.block_store import (
     BlockStore,
     StoreCounters,
     StoreError,
+    store_file_mode,
 )
 from dualpath.store.format import HEADER_BYTES
 
@@ -77,4 +78,5 @@ __all__ = [
     "BlockStore",
     "StoreCounters",
     "StoreError",
+    "store_file_mode",
 ]

@@ -51,6 +51,21 @@ DEFAULT_FILE_MODE = 0o600
 """Block files hold prompt content: owner-only unless the store is configured otherwise."""
 
 
+def store_file_mode(value: object) -> int:
+    """A configured file mode: an octal string ("0640", "640", "0o640") or an int; None is
+    the default (owner only). Checked when the store opens."""
+    if value is None:
+        return DEFAULT_FILE_MODE
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower().removeprefix("0o")
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise SpecError("blockstore", "store_file_mode", value,
+                        "must be octal permission bits, e.g. \"0640\"") from None
+
+
 def dir_mode_of(file_mode: int) -> int:
     """The folder mode for files of `file_mode`: each class that may read may also search."""
     return file_mode | ((file_mode & 0o444) >> 2)

@@ -30,6 +30,9 @@ from dualpath.core.datafile import write_text_atomic
 from dualpath.core.errors import SpecError
 
 MANIFEST_DIR = "vllm"
+SIDE_CHANNEL_SECRET_ENV = "DUALPATH_SIDE_CHANNEL_SECRET"
+"""The environment variable that carries a cluster's side-channel secret to its instances
+(the launcher sets it, the connector's staging service and prefill workers read it)."""
 PARAMS_KEY = "dualpath"
 """The key of DualPath's fields inside a request's `kv_transfer_params`."""
 

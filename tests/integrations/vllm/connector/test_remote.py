@@ -628,12 +628,13 @@ from dualpath.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.remote import PrefillRemote
+from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
 
 store_root, address, layers, page, full, heads, bs, ch = json.loads(sys.argv[1])
 keys = block_keys(list(range(2 * bs)), bs)
 store = BlockStore(store_root, full, is_durable=False)
 kv = {n: torch.zeros(8, heads, bs, ch) for n in layers}
-prefill = PrefillRemote(KVWorker(store, layers, page), kv)
+prefill = PrefillRemote(KVWorker(store, layers, page), kv, secret=load_secret())
 pulled = prefill.pull_whole(RemoteLoad("x", address, BlockTransfer("r", 0, (3, 4), tuple(keys))))
 block = torch.empty(full, dtype=torch.uint8)
 same = []
@@ -659,7 +660,8 @@ prefill.close()
 def test_de_path_between_two_emulated_hosts(tmp_path: Path) -> None:
     """A prefill worker and a decode node's staging service on two emulated hosts (network
     namespaces on a bridge, UCX held to TCP on their veth): the DE-side pull and the push
-    of a block the decode side lacks cross the "network", byte for byte."""
+    of a block the decode side lacks cross the "network", byte for byte, between peers that
+    hold the cluster's secret (a non-loopback side channel needs one)."""
     import json
     import os
     import subprocess
@@ -677,15 +679,17 @@ def test_de_path_between_two_emulated_hosts(tmp_path: Path) -> None:
     with netns.Hosts() as hosts:
         decode_host, prefill_host = hosts.add(), hosts.add()
         address = f"{decode_host.address}:{free_port()}"
+        secret = os.urandom(16).hex()
         proc, pool = spawn_side_channel(address, str(store.root), FULL, 4, None, None, "ns",
                                         command_prefix=decode_host.command([]),
-                                        env=netns.HOST_ENV)
+                                        env=netns.HOST_ENV, secret=secret.encode())
         try:
             args = json.dumps([str(store.root), address, LAYERS, PAGE, FULL, HEADS, BS, CH])
             run = subprocess.run(prefill_host.command([sys.executable, "-c",
                                                        PREFILL_HOST_SCRIPT, args]),
                                  capture_output=True, text=True, timeout=120, check=False,
-                                 env={**os.environ, **netns.HOST_ENV})
+                                 env={**os.environ, **netns.HOST_ENV,
+                                      "DUALPATH_SIDE_CHANNEL_SECRET": secret})
             assert run.returncode == 0, run.stderr[-3000:]
             out = json.loads(run.stdout.strip().splitlines()[-1])
             assert out["pulled"] == 2 and out["same"] == [True, True]

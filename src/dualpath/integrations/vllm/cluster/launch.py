@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -40,6 +41,7 @@ from dualpath.integrations.vllm.cluster.command import (
 from dualpath.integrations.vllm.cluster.cpus import cpu_binding
 from dualpath.integrations.vllm.cluster.ports import free_port, free_ports
 from dualpath.integrations.vllm.cluster.spec import HOST_MODES, VllmClusterSpec
+from dualpath.integrations.vllm.manifest import SIDE_CHANNEL_SECRET_ENV
 
 
 class LaunchError(RuntimeError):
@@ -145,6 +147,10 @@ class VllmCluster:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        # One side-channel secret per cluster (every instance inherits it): a decode node's
+        # staging service serves only peers that hold it. Hosts joining one cluster export
+        # the same one.
+        env.setdefault(SIDE_CHANNEL_SECRET_ENV, secrets.token_hex(32))
         template = spec.chat_template
         if template is None and not has_chat_template(spec.model):
             template = log_dir / "chatml.jinja"

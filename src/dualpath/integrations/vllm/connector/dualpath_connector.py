@@ -78,6 +78,7 @@ from dualpath.integrations.vllm.connector.remote import (
     host_bounce_option,
 )
 from dualpath.integrations.vllm.connector.scope import request_scope
+from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
 from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
 from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
@@ -89,7 +90,7 @@ from dualpath.integrations.vllm.connector.vllm_metrics import (
     storage_events,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
-from dualpath.store import BlockStore
+from dualpath.store import BlockStore, store_file_mode
 from dualpath.transport.pacing import Pacer
 
 if TYPE_CHECKING:
@@ -233,7 +234,11 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._store = BlockStore(store_path, layout.blocks_per_file * layout.full_block_bytes,
                                  is_durable=bool(extra.get_from_extra_config("durable", True)),
                                  capacity_bytes=None if capacity_gb is None
-                                 else max(1, int(float(capacity_gb) * 1e9)))
+                                 else max(1, int(float(capacity_gb) * 1e9)),
+                                 file_mode=store_file_mode(
+                                     extra.get_from_extra_config("store_file_mode", None)))
+        self._secret = load_secret(lambda key: extra.get_from_extra_config(key, None))
+        """The cluster's side-channel secret (None: unauthenticated, loopback only)."""
         self._pd_role = PD_ROLES.get(str(extra.kv_role), "both")
         self._planner: Planner | None = None
         self._worker: KVWorker | None = None
@@ -329,7 +334,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
             self._layout.namespace.hex(),
             read_threads=int(extra.get_from_extra_config("read_threads", 16)),
-            blocks_per_file=self._layout.blocks_per_file)
+            blocks_per_file=self._layout.blocks_per_file, secret=self._secret)
         self._side_pool = pool
         self._side_address = str(address)
         self._decode = DecodeRemote(self._worker, pool)
@@ -344,7 +349,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._pd_role == "prefill":
             # Through pinned host buffers where the KV is on a GPU, unless said otherwise:
             # without GPUDirect RDMA, UCX emulates host <-> VRAM transfers over TCP.
-            self._prefill = PrefillRemote(self._worker, kv_caches, self._host_bounce)
+            self._prefill = PrefillRemote(self._worker, kv_caches, self._host_bounce,
+                                          secret=self._secret)
             self._loader = AsyncLoader(self._worker, self._prefill)
 
     def shutdown(self) -> None:

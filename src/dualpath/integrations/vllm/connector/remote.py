@@ -220,9 +220,12 @@ class PrefillRemote:
     (without GPUDirect RDMA, UCX emulates a transfer between host and VRAM over TCP)."""
 
     def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor],
-                 host_bounce: bool | None = None, stage_pieces: int = STAGE_PIECES) -> None:
+                 host_bounce: bool | None = None, stage_pieces: int = STAGE_PIECES,
+                 secret: bytes | None = None) -> None:
         """`stage_pieces`: a background DE-side load is staged and pulled in this many
-        pipelined pieces (`stage_chunks`; 1: staged whole, then pulled)."""
+        pipelined pieces (`stage_chunks`; 1: staged whole, then pulled). `secret`: the
+        cluster's side-channel secret, proved to each decode instance's service."""
+        self.secret = secret
         if stage_pieces < 1:
             raise ValueError(f"stage_pieces must be >= 1, got {stage_pieces}")
         self.kv = kv
@@ -290,7 +293,8 @@ class PrefillRemote:
             agent = self._agents.get(address)
         if client is not None and agent is not None:
             return client, agent
-        client = SideChannelClient(self.kv.shard.side_channel(address))  # this rank's
+        client = SideChannelClient(self.kv.shard.side_channel(address),  # this rank's
+                                   secret=self.secret)
         # This worker's agent is not sent: the decode side is only ever the target of
         # one-sided READs and WRITEs, and its connecting back while this worker (no progress
         # thread) was in a forward hung loadRemoteMD here for good over TCP (emulated hosts).

@@ -16,6 +16,8 @@ from dualpath.integrations.vllm.connector.side_channel.wire import (
     PROTOCOL_VERSION,
     REPLY_OF,
     Alloc,
+    Auth,
+    Challenge,
     Commit,
     Done,
     Failed,
@@ -40,6 +42,7 @@ MESSAGES = [
     Alloc("x", (4, 5)), Commit("x"), Lookup("x", (0, 1)), Release("x"),
     Welcome(b"meta", 4096, "ns", 8, "dualpath-staging-1", 1 << 40), Staged((1 << 40, 7), 0.25),
     Slots((1 << 40,)), Found((3, None, 0)), Done(), Failed("why"),
+    Auth(b"\x01" * 32), Challenge(b"\x02" * 32, True), Challenge(b"", False),
 ]
 
 
@@ -51,7 +54,7 @@ def test_every_message_survives_the_wire(msg: object) -> None:
 
 
 def test_every_request_has_a_reply_type() -> None:
-    assert set(REPLY_OF) == {Hello, Stage, Alloc, Commit, Lookup, Release}
+    assert set(REPLY_OF) == {Auth, Hello, Stage, Alloc, Commit, Lookup, Release}
 
 
 @pytest.mark.parametrize(("line", "why"), [

@@ -11,9 +11,12 @@ from typing import TypeVar
 
 import torch
 
+from dualpath.integrations.vllm.connector.side_channel.auth import proof
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import split_address
 from dualpath.integrations.vllm.connector.side_channel.wire import (
     Alloc,
+    Auth,
+    Challenge,
     Commit,
     Done,
     Found,
@@ -39,11 +42,26 @@ R = TypeVar("R", bound=Reply)
 class SideChannelClient:
     """A worker's connection to one decode instance's side channel (thread-safe)."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0, secret: bytes | None = None
+                 ) -> None:
+        """Connect and, where the service requires it, prove `secret` (the cluster's shared
+        secret, `auth.load_secret`); a service that refuses it is a `SideChannelError`."""
         self.address = address
         self._sock = socket.create_connection(split_address(address), timeout=timeout_s)
         self._rfile = self._sock.makefile("rb")
         self._lock = threading.Lock()
+        try:
+            challenge = self.receive(Challenge)
+            if challenge.is_required:
+                if secret is None:
+                    raise SideChannelError(
+                        f"side channel {address} requires the cluster's shared secret; set "
+                        "kv_connector_extra_config side_channel_secret or "
+                        "$DUALPATH_SIDE_CHANNEL_SECRET")
+                self.call(Auth(proof(secret, challenge.nonce)), Done)
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, msg: Request, reply: type[R]) -> R:
         """Send `msg` and wait for its reply, a `reply` (else a `SideChannelError`)."""

@@ -19,6 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dualpath.integrations.vllm.connector.side_channel.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    load_secret,
+)
 from dualpath.integrations.vllm.connector.side_channel.client import (
     RemotePool,
     SideChannelClient,
@@ -64,12 +69,14 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
                        namespace: str, timeout_s: float = 120.0,
                        command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
                        read_threads: int = 16, blocks_per_file: int = 1,
+                       secret: bytes | None = None,
                        ) -> tuple[subprocess.Popen[bytes], RemotePool]:
     """Start the side-channel process on `address`; returns it and the worker's pool view.
     `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
     on the cores of this instance (`instance_cpus`), staging `read_threads` files at a
     time. A slot holds one Full Block (`full_block_bytes`), a store file `blocks_per_file`
-    of them."""
+    of them. `secret`: the cluster's shared secret (the process gets it in its environment,
+    never on its command line; None: unauthenticated, loopback addresses only)."""
     cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     cmd = [*command_prefix, sys.executable, "-m", __name__,
            "--address", address, "--store", store_root, "--full-block-bytes",
@@ -80,14 +87,20 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
         cmd += ["--event-log", event_log]
-    proc = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop(SECRET_FILE_ENV, None)
+    if secret is not None:
+        child_env[SECRET_ENV] = secret.decode()
+    else:
+        child_env.pop(SECRET_ENV, None)
+    proc = subprocess.Popen(cmd, env=child_env)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise SideChannelError(f"side channel process on {address} exited with "
                                    f"{proc.returncode}")
         try:
-            client = SideChannelClient(address)
+            client = SideChannelClient(address, secret=secret)
             welcome = client.hello()
             break
         except (OSError, SideChannelError):
@@ -149,6 +162,7 @@ def _main() -> None:
 
     channel = DecodeSideChannel(
         args.address, pool, store, agent.metadata(), agent.connect, namespace=args.namespace,
+        secret=load_secret(),
         pacer=Pacer.from_gbps(args.storage_read_gbps, "storage_read")
         if args.storage_read_gbps else None, log=log, read_threads=args.read_threads)
     try:

@@ -1,11 +1,18 @@
-"""`DecodeSideChannel`: the staging service's TCP server. Each connection is a stream of typed
-requests (`messages.py`), answered in order; every request is logged with its time. A `stage`
-reads its blocks `read_threads` at a time (a storage NIC needs many reads in flight; one after
-another, each block's read and CRC32C check ran on one core)."""
+"""`DecodeSideChannel`: the staging service's TCP server. Each connection opens with a
+`Challenge`; with a shared secret configured, a peer must answer it with `Auth` before
+anything else (`auth`), and one that does not is refused, logged and cut off. Then the
+connection is a stream of typed requests (`wire`), answered in order; every request is logged
+with its time. A `stage` reads its blocks `read_threads` at a time (a storage NIC needs many
+reads in flight; one after another, each block's read and CRC32C check would use one core).
+
+Without a secret, the service only binds a loopback address (a single-host cluster); any other
+address needs one."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socketserver
 import threading
 import time
@@ -13,9 +20,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from dualpath.integrations.vllm.connector.side_channel.auth import is_loopback, is_valid
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.wire import (
     Alloc,
+    Auth,
+    Challenge,
     Commit,
     Done,
     Failed,
@@ -36,6 +46,9 @@ from dualpath.integrations.vllm.connector.side_channel.wire import (
 from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
 
+logger = logging.getLogger("dualpath.side_channel")
+NONCE_BYTES = 32
+
 
 def split_address(address: str) -> tuple[str, int]:
     """`host:port` -> (host, port); an empty host is 127.0.0.1."""
@@ -52,8 +65,18 @@ class DecodeSideChannel:
                  agent_metadata: bytes, connect_peer: Callable[[bytes], str],
                  namespace: str = "", pacer: Pacer | None = None,
                  log: Callable[[dict[str, Any]], None] | None = None,
-                 read_threads: int = 16) -> None:
+                 read_threads: int = 16, secret: bytes | None = None) -> None:
+        """`secret`: the cluster's shared secret (`auth.load_secret`); None serves any peer,
+        on a loopback address only."""
         host, port = split_address(address)
+        if secret is None and not is_loopback(host):
+            raise SideChannelError(
+                f"side channel {address}: a non-loopback address needs the cluster's shared "
+                "secret (kv_connector_extra_config side_channel_secret, or "
+                "$DUALPATH_SIDE_CHANNEL_SECRET); `dualpath vllm up` makes one per cluster")
+        self._secret = secret
+        self.num_refused = 0
+        """Connections refused for a missing or wrong proof of the secret."""
         self.blocks_per_file, rest = divmod(store.full_block_bytes, pool.full_block_bytes)
         """g: blocks (staging slots) per store file."""
         if rest or not self.blocks_per_file:
@@ -80,12 +103,24 @@ class DecodeSideChannel:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
+                nonce = os.urandom(NONCE_BYTES)
+                is_authed = channel._secret is None
+                self.wfile.write(encode(Challenge(nonce, not is_authed)))
+                self.wfile.flush()
                 for line in self.rfile:
                     t0 = time.monotonic()
                     msg: Message | None = None
                     try:
                         msg = decode(line)
-                        reply = channel.serve(msg)
+                        if not is_authed:
+                            is_authed = channel._check_proof(msg, nonce)
+                            if not is_authed:
+                                self.wfile.write(encode(channel._refuse(
+                                    msg, self.client_address)))
+                                return  # no slot, no data: the connection ends here
+                            reply: Reply = Done()
+                        else:
+                            reply = channel.serve(msg)
                     except Exception as e:  # the peer gets the reason
                         reply = Failed(f"{type(e).__name__}: {e}")
                     self.wfile.write(encode(reply))
@@ -103,8 +138,24 @@ class DecodeSideChannel:
                                         name="dualpath-side-channel")
         self._thread.start()
 
+    def _check_proof(self, msg: Message, nonce: bytes) -> bool:
+        """Whether `msg`, a connection's first request, proves the secret for `nonce`."""
+        assert self._secret is not None
+        return isinstance(msg, Auth) and is_valid(self._secret, nonce, msg.mac)
+
+    def _refuse(self, msg: Message, peer: Any) -> Failed:
+        """Count, log and answer a peer that did not prove the secret."""
+        why = "wrong proof of the shared secret" if isinstance(msg, Auth) else \
+            f"{msg.op} before authenticating"
+        with self._counts_lock:
+            self.num_refused += 1
+        logger.warning("side channel %s: refused %s: %s", self.address, peer, why)
+        if self._log is not None:
+            self._log({"event": "side_channel_refused", "peer": str(peer), "reason": why})
+        return Failed(f"not authenticated: {why}")
+
     def serve(self, msg: Message) -> Reply:
-        """The reply to one request."""
+        """The reply to one request of an authenticated connection."""
         if isinstance(msg, Hello):
             with self._peers_lock:  # a peer's agent is added once (NIXL keeps it)
                 if msg.agent and msg.agent not in self._peers:
@@ -126,6 +177,8 @@ class DecodeSideChannel:
         if isinstance(msg, Release):  # the decode worker loaded them
             self.pool.release(msg.xfer)
             return Done()
+        if isinstance(msg, Auth):
+            return Done()  # a repeated proof on an authenticated connection
         raise SideChannelError(f"{type(msg).__name__} is not a request")
 
     def _stage(self, xfer: str, first: int, keys: Sequence[bytes], num_blocks: int) -> Staged:

@@ -3,6 +3,10 @@
 On the wire a message is `{"v": PROTOCOL_VERSION, "type": "<class name>", <fields>}`; `bytes`
 fields travel as hex. Every request has one reply type (`REPLY_OF`), or `Failed` with the
 reason (the client raises it as `SideChannelError`).
+
+A connection opens with the service's `Challenge`; where it requires it, the peer's first
+request is `Auth`, the proof that it holds the cluster's secret (`auth`), and any other
+request before it is refused and the connection closed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class SideChannelError(RuntimeError):
@@ -38,6 +42,13 @@ class Reply(Message):
 
 
 # -- requests ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Auth(Request):
+    """The proof of the shared secret for this connection's challenge (`auth.proof`)."""
+
+    mac: bytes
+
+
 @dataclass(frozen=True)
 class Hello(Request):
     """Exchange agents: the peer's NIXL metadata (empty: only read the decode side's info)."""
@@ -94,6 +105,15 @@ class Release(_OfXfer):
 
 # -- replies -------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Challenge(Reply):
+    """What the service sends first on every connection: a fresh nonce, and whether an
+    `Auth` must answer it before any other request."""
+
+    nonce: bytes
+    is_required: bool
+
+
+@dataclass(frozen=True)
 class Welcome(Reply):
     """Reply to `Hello`: the decode side's agent and its staging buffer."""
 
@@ -137,7 +157,7 @@ class Found(Reply):
 
 @dataclass(frozen=True)
 class Done(Reply):
-    """Reply to `Commit` and `Release`."""
+    """Reply to `Auth`, `Commit` and `Release`."""
 
 
 @dataclass(frozen=True)
@@ -148,9 +168,10 @@ class Failed(Reply):
 
 
 REPLY_OF: dict[type[Request], type[Reply]] = {
-    Hello: Welcome, Stage: Staged, Alloc: Slots, Commit: Done, Lookup: Found, Release: Done}
+    Auth: Done, Hello: Welcome, Stage: Staged, Alloc: Slots, Commit: Done, Lookup: Found,
+    Release: Done}
 _TYPES: dict[str, type[Message]] = {
-    t.__name__: t for t in (*REPLY_OF, Welcome, Staged, Slots, Found, Done, Failed)}
+    t.__name__: t for t in (*REPLY_OF, Challenge, Welcome, Staged, Slots, Found, Done, Failed)}
 
 M = TypeVar("M", bound=Reply)
 
@@ -167,6 +188,12 @@ def _from_json(hint: Any) -> Callable[[Any], Any]:
     """The decoder of a field of type `hint` (bytes, int, float, str, tuples and optionals)."""
     if hint is bytes:
         return bytes.fromhex
+    if hint is bool:
+        def flag(v: Any) -> bool:
+            if not isinstance(v, bool):
+                raise TypeError(f"{v!r} is not bool")
+            return v
+        return flag
     if hint in (int, float, str):
         def scalar(v: Any) -> Any:
             if hint is float and isinstance(v, int):
