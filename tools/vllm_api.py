@@ -39,10 +39,11 @@ SNAPSHOT = REPO / "tests" / "integrations" / "vllm" / "connector" / "vllm_api.js
 CACHE = REPO / ".cache" / "dualpath" / "vllm-releases"
 INDEX = "https://pypi.org/simple/vllm/"
 VERSIONS = ("0.26.0", "0.28.0", "0.30.0", "0.32.0", "0.33.0", "0.34.0")
-CONNECTOR = REPO / "src" / "dualpath" / "integrations" / "vllm" / "connector"
-CONNECTOR_FILES = ("dualpath_connector.py", "vllm_metrics.py", "compat.py")
-"""The connector's modules that import vllm (`paced_fs_tier.py` is the stock baseline's, for
-vLLM 0.32's filesystem tier only)."""
+INTEGRATION = REPO / "src" / "dualpath" / "integrations" / "vllm"
+CONNECTOR_FILES = ("connector/dualpath_connector.py", "connector/vllm_metrics.py",
+                   "connector/compat.py", "connector/scope.py", "plugin.py")
+"""The connector's modules that import vllm (`connector/paced_fs_tier.py` is the stock
+baseline's, for vLLM 0.32's filesystem tier only)."""
 
 USED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.config.VllmConfig": ("model_config", "parallel_config"),
@@ -63,6 +64,8 @@ USED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                                     "num_computed_tokens"),
     "vllm.v1.outputs.KVConnectorOutput": ("invalid_block_ids",),
     "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorRole": ("SCHEDULER",),
+    "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory": (
+        "register_connector", "_registry"),
 }
 """Attributes the connector reads on vLLM objects it is handed (read through `getattr` with a
 default, or through `compat`, they are not listed: those are the optional ones)."""
@@ -323,7 +326,7 @@ class Surface:
 
 def surface(files: list[Path] | None = None) -> Surface:
     out = Surface()
-    for path in files or [CONNECTOR / f for f in CONNECTOR_FILES if (CONNECTOR / f).exists()]:
+    for path in files or [INTEGRATION / f for f in CONNECTOR_FILES]:
         tree = ast.parse(path.read_text("utf-8"))
         local: dict[str, Import] = {}
         _collect_imports(tree, path.name, "runtime", local, out)

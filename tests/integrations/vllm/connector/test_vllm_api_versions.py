@@ -50,9 +50,9 @@ def test_the_connector_fits_the_api_of(version: str) -> None:
 def test_a_mismatch_is_named_with_its_method_and_release(tmp_path: Path) -> None:
     """An override whose parameter is renamed, a dropped override and an import of a name a
     release lacks are each reported, per release."""
-    files = [tmp_path / name for name in api.CONNECTOR_FILES]
-    for f in files:
-        shutil.copy(api.CONNECTOR / f.name, f)
+    files = [tmp_path / Path(name).name for name in api.CONNECTOR_FILES]
+    for name, f in zip(api.CONNECTOR_FILES, files, strict=True):
+        shutil.copy(api.INTEGRATION / name, f)
     conn = files[0]
     text = conn.read_text()
     text = text.replace("def get_finished(self, finished_req_ids: set[str])",
