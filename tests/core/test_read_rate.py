@@ -84,7 +84,7 @@ def test_record_round_trip_and_derived_presets_keep_their_base(tmp_path: Path) -
                          {"form": "flat"}, path)
     m = storage_read_model("h800-deepseek", path)
     assert (m.read_efficiency, m.source) == (0.6, "test fit")
-    # `simulate --storage-nic-gbps` and the Qwen setup's buffer rename the preset.
+    # `simulate --storage-nic-gb-per-s` and the Qwen setup's buffer rename the preset.
     assert storage_read_model("h800-deepseek+buffer320GB", path) == m
     assert storage_read_model("dgx-h100", path) is NOMINAL
     write_storage_record("h800-deepseek", StorageReadModel(0.7), {}, path)

@@ -43,7 +43,7 @@ def test_read_disciplines_from_the_command_line(capsys: pytest.CaptureFixture[st
     for name, flags in (("default", []), ("fifo", ["--pe-reads", "fifo", "--de-reads", "fifo"]),
                         ("shared", ["--pe-reads", "shared:2"])):
         # 16 agents on a slow storage NIC: reads queue behind each other.
-        assert main([*TINY, "--agents", "16", "--storage-nic-gbps", "0.5", "--mode", "basic",
+        assert main([*TINY, "--agents", "16", "--storage-nic-gb-per-s", "0.5", "--mode", "basic",
                      "--json", *flags]) == 0
         runs[name] = json.loads(capsys.readouterr().out)["basic"]
     assert runs["fifo"] == runs["default"]
@@ -59,7 +59,7 @@ def test_dram_buffer_from_the_command_line(capsys: pytest.CaptureFixture[str]) -
     that used the last one has run: reads no longer overlap compute."""
     jct = {}
     for gb in ("80", "0.001"):
-        assert main([*TINY, "--agents", "16", "--storage-nic-gbps", "0.5", "--mode", "basic",
+        assert main([*TINY, "--agents", "16", "--storage-nic-gb-per-s", "0.5", "--mode", "basic",
                      "--dram-buffer-gb", gb, "--json"]) == 0
         jct[gb] = json.loads(capsys.readouterr().out)["basic"]["jct_s"]
     assert jct["0.001"] > jct["80"]
@@ -91,7 +91,7 @@ def test_storage_read_model_from_the_command_line(capsys: pytest.CaptureFixture[
     JCT; a bad value is one line quoting it."""
     jct, lines = {}, {}
     for spec in ("calibrated", "nominal", "flat:0.2", "queued:4"):
-        assert main([*TINY, "--agents", "8", "--storage-nic-gbps", "2", "--mode", "basic",
+        assert main([*TINY, "--agents", "8", "--storage-nic-gb-per-s", "2", "--mode", "basic",
                      "--storage-read", spec]) == 0
         out = capsys.readouterr()
         lines[spec] = next(x for x in out.err.splitlines() if x.startswith("storage reads"))

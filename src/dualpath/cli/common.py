@@ -1,14 +1,71 @@
-"""Options shared by several subcommands: hardware, model and cluster selection."""
+"""Options shared by several subcommands: hardware, model and cluster selection, and the
+spellings one command refuses with the flag it takes instead.
+
+Units: every bandwidth flag is in GB/s (10^9 bytes per second) and says so in its name
+(`--*-gb-per-s`; a 400 Gb/s NIC is 50), every size in GB (`--*-gb`), as vLLM's `--cpu-offload-gb`.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dualpath.core.cluster import ClusterSpec
+from dualpath.core.errors import DualPathError
 from dualpath.core.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
-from dualpath.core.model import MODEL_PRESETS, ModelSpec, model_from_hf_config, model_preset
+from dualpath.core.model import (
+    KV_DTYPE_BYTES,
+    MODEL_PRESETS,
+    ModelSpec,
+    model_from_hf_config,
+    model_preset,
+)
 from dualpath.core.read_rate import StorageReadModel, parse_storage_read, storage_read_model
 from dualpath.core.units import GB
+
+
+class CliArgsError(DualPathError, ValueError):
+    """A bad or misspelt option, named in one line."""
+
+
+GB_PER_S = "GB/S"
+"""The metavar of every bandwidth flag."""
+
+
+class _Refused(argparse.Action):
+    """An option this command does not take: one line naming the one it does, exit code 2."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, hint: str = "",
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.exit(2, f"{parser.prog}: error: {option_string}: {self.hint}\n")
+
+
+def refuse_flags(parser: argparse.ArgumentParser, hints: Mapping[str, str]) -> None:
+    """Give each flag in `hints` (an old spelling, or another command's flag) a one-line
+    error with its hint instead of argparse's "unrecognized arguments"."""
+    for flag, hint in hints.items():
+        parser.add_argument(flag, action=_Refused, hint=hint, dest=f"refused_{flag}")
+
+
+def renamed(new: str, old_unit: str = "", new_unit: str = "") -> str:
+    """The hint of a renamed flag, with the unit change when there is one."""
+    if old_unit:
+        return f"renamed {new}, in {new_unit} (the old flag was {old_unit})"
+    return f"renamed {new}"
+
+
+GBPS_RENAMES = {
+    "--compute-nic-gbps": renamed("--compute-nic-gb-per-s"),
+    "--storage-nic-gbps": renamed("--storage-nic-gb-per-s"),
+    "--dram-gbps": renamed("--dram-gb-per-s"),
+}
+"""The planning commands' old bandwidth spellings (the same unit, GB/s, under a new name)."""
 
 
 def add_cluster_args(
@@ -17,8 +74,10 @@ def add_cluster_args(
     default_hardware: str = "h800-deepseek",
     default_prefill: int = 2,
     default_decode: int = 4,
+    with_nodes: bool = True,
 ) -> None:
-    """--model/--model-config, --hardware with overrides, --prefill-nodes, --decode-nodes."""
+    """--model/--model-config, --hardware with overrides, --tensor-parallel-size, and (unless
+    `with_nodes` is false: `advise` sweeps a list instead) --prefill-nodes, --decode-nodes."""
     g = parser.add_argument_group("cluster")
     g.add_argument(
         "--model",
@@ -34,7 +93,8 @@ def add_cluster_args(
         "--kv-dtype-bytes",
         type=int,
         metavar="N",
-        help="KV-cache bytes per element for --model-config (default: the config's torch_dtype)",
+        help="KV-cache bytes per element for --model-config: 1 (FP8), 2 (FP16/BF16) or 4 "
+        "(default: the config's torch_dtype)",
     )
     g.add_argument(
         "--hardware",
@@ -42,18 +102,30 @@ def add_cluster_args(
         help=f"node preset: {', '.join(HARDWARE_PRESETS)} (default: %(default)s)",
     )
     g.add_argument("--gpus-per-node", type=int, metavar="G", help="override g")
-    g.add_argument(
-        "--compute-nic-gbps", type=float, metavar="GB/S", help="override B, per GPU, in GB/s"
-    )
-    g.add_argument(
-        "--storage-nic-gbps", type=float, metavar="GB/S", help="override s*B, per node, in GB/s"
-    )
-    g.add_argument("--dram-gbps", type=float, metavar="GB/S", help="override M, per node, in GB/s")
+    g.add_argument("--compute-nic-gb-per-s", type=float, metavar=GB_PER_S,
+                   help="override B, one GPU's compute NIC, in GB/s (400 Gb/s = 50)")
+    g.add_argument("--storage-nic-gb-per-s", type=float, metavar=GB_PER_S,
+                   help="override s*B, one node's storage NICs together, in GB/s")
+    g.add_argument("--dram-gb-per-s", type=float, metavar=GB_PER_S,
+                   help="override M, one node's DRAM bandwidth, in GB/s")
     g.add_argument(
         "--dram-buffer-gb", type=float, metavar="GB",
         help="override the DRAM each node sets aside as its PE or DE buffer, in GB (the paper: "
              "80 for the DeepSeek models, 320 for Qwen2.5-32B)",
     )
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="N",
+        help="GPUs one engine (a vLLM instance) spans, as vLLM's --tensor-parallel-size: its "
+        "weights and KV heads are sharded over them and each layer all-reduces over NVLink; "
+        "a node runs g/N engines (default: %(default)s)",
+    )
+    refuse_flags(parser, GBPS_RENAMES)
+    if not with_nodes:
+        refuse_flags(parser, {
+            "--prefill-nodes": "advise sweeps P/D configurations: --pd 1P2D,2P2D",
+            "--decode-nodes": "advise sweeps P/D configurations: --pd 1P2D,2P2D",
+        })
+        return
     g.add_argument(
         "--prefill-nodes",
         type=int,
@@ -68,6 +140,8 @@ def add_cluster_args(
         metavar="D",
         help="decode nodes (default: %(default)s)",
     )
+    refuse_flags(parser, {"--pd": f"{parser.prog.split()[-1]} takes one P/D: "
+                          "--prefill-nodes P --decode-nodes D (--pd is advise's list)"})
 
 
 def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
@@ -76,12 +150,12 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
     overrides: dict[str, object] = {}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
-    if args.compute_nic_gbps is not None:
-        overrides["compute_nic_bytes_per_s"] = args.compute_nic_gbps * GB
-    if args.storage_nic_gbps is not None:
-        overrides["storage_nic_bytes_per_s"] = args.storage_nic_gbps * GB
-    if args.dram_gbps is not None:
-        overrides["dram_bytes_per_s"] = args.dram_gbps * GB
+    if args.compute_nic_gb_per_s is not None:
+        overrides["compute_nic_bytes_per_s"] = args.compute_nic_gb_per_s * GB
+    if args.storage_nic_gb_per_s is not None:
+        overrides["storage_nic_bytes_per_s"] = args.storage_nic_gb_per_s * GB
+    if args.dram_gb_per_s is not None:
+        overrides["dram_bytes_per_s"] = args.dram_gb_per_s * GB
     if getattr(args, "dram_buffer_gb", None) is not None:
         overrides["dram_buffer_bytes"] = round(args.dram_buffer_gb * GB)
     if overrides:
@@ -91,18 +165,28 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """--model-config if given, else the --model preset."""
+    kv = args.kv_dtype_bytes
+    if kv is not None:
+        if not args.model_config:
+            raise CliArgsError(f"--kv-dtype-bytes={kv}: applies to --model-config only (a "
+                               "preset has its own KV format)")
+        if kv not in KV_DTYPE_BYTES:
+            raise CliArgsError(f"--kv-dtype-bytes={kv}: must be 1 (FP8), 2 (FP16/BF16) or 4 "
+                               "(FP32)")
     if args.model_config:
-        return model_from_hf_config(args.model_config, kv_dtype_bytes=args.kv_dtype_bytes)
+        return model_from_hf_config(args.model_config, kv_dtype_bytes=kv)
     return model_preset(args.model)
 
 
-def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
-    """The cluster the options describe (validated)."""
+def cluster_from_args(args: argparse.Namespace, num_prefill_nodes: int | None = None,
+                      num_decode_nodes: int | None = None) -> ClusterSpec:
+    """The cluster the options describe (validated); P/D from the arguments unless given."""
     return ClusterSpec(
         hardware=hardware_from_args(args),
         model=model_from_args(args),
-        num_prefill_nodes=args.prefill_nodes,
-        num_decode_nodes=args.decode_nodes,
+        num_prefill_nodes=num_prefill_nodes or args.prefill_nodes,
+        num_decode_nodes=num_decode_nodes or args.decode_nodes,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -112,6 +112,9 @@ class Analysis:
     basic_read_fraction: float
     """Fraction of the prefill-side SNICs' rate a PE-only reader sustains (same accounting,
     DE-side SNICs idle)."""
+    basic_utilization: float = 0.0
+    """The most loaded resource's utilization when only the prefill-side SNICs read, at full
+    rate (`basic_read_fraction` is its inverse, capped at 1)."""
 
     @property
     def pd_ratio(self) -> float:
@@ -138,6 +141,13 @@ class Analysis:
         binding resource (per-node load scales linearly with the read rate)."""
         nodes = self.num_prefill_nodes + self.num_decode_nodes
         return nodes * self.s * self.compute_nic_bytes_per_s * self.storage_read_fraction
+
+    def read_fractions(self, read_efficiency: float) -> tuple[float, float]:
+        """(PE-only, both sides): the fraction of their effective rate the storage NICs
+        sustain when they deliver `read_efficiency` of the line rate `s*B` (every load scales
+        with the read rate, so a slower storage system loosens the bound)."""
+        return (min(1.0, 1.0 / (self.basic_utilization * read_efficiency)),
+                min(1.0, 1.0 / (self.binding.utilization * read_efficiency)))
 
     @property
     def basic_storage_read_bytes_per_s(self) -> float:
@@ -254,4 +264,5 @@ def analyze(hw: HardwareSpec, num_prefill_nodes: int, num_decode_nodes: int) -> 
         constraints=constraints,
         range=pd_range(hw),
         basic_read_fraction=min(1.0, 1.0 / _max_util(basic)),
+        basic_utilization=_max_util(basic),
     )

@@ -27,8 +27,8 @@ class ClusterSpec:
         positive_int("cluster", "num_prefill_nodes", self.num_prefill_nodes)
         positive_int("cluster", "num_decode_nodes", self.num_decode_nodes)
         positive_int("cluster", "tensor_parallel_size", self.tensor_parallel_size)
-        self.model.check_tensor_parallel(self.tensor_parallel_size)
         self.hardware.engine_view(self.tensor_parallel_size)  # validates the node's side
+        self.model.check_tensor_parallel(self.tensor_parallel_size)
 
     @property
     def engine_hardware(self) -> HardwareSpec:
