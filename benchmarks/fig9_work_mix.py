@@ -1,7 +1,7 @@
 """Which work sets the Oracle's Fig. 9 trends (issue 26): a least-squares reading of the JCT
 ratios against the workload's own ratios, ours beside the paper's.
 
-    python benchmarks/fig9_work_mix.py [--csv docs/figures/full/fig9_1024/fig9.csv]
+    python benchmarks/fig9_work_mix.py [--csv docs/reproduction/full/fig9_1024/fig9.csv]
         [--append3 1.0]
 
 Scaling the append or generation lengths and truncating at the 64K MAL changes three totals of
@@ -49,7 +49,7 @@ def totals(trace: list[Trajectory], append_factor: float = 1.0,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--csv", type=Path, default=Path("docs/figures/full/fig9_1024/fig9.csv"))
+    ap.add_argument("--csv", type=Path, default=Path("docs/reproduction/full/fig9_1024/fig9.csv"))
     ap.add_argument("--append3", type=float, default=1.0)
     args = ap.parse_args()
     scales = [f for f in FIG9_FACTORS if f != 1.0]

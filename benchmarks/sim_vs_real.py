@@ -24,7 +24,7 @@ prefix as the hit the bench's router reported, 8 tokens generated, all at t = 0.
 NICs serve reads as the profile's `run.storage_reads` says (the connector's read paths); the
 table also shows the simulation with `fifo` reads on both sides (the paper's read queue). Mean
 TTFT and JCT per mode, and each mode's ratio to Basic. `--bench-json FILE` takes the real half
-from an earlier run's output (e.g. `docs/runs/`) instead of running it.
+from an earlier run's output (e.g. `research/runs/`) instead of running it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -174,7 +175,10 @@ def main() -> int:
     ap.add_argument("--append-scale", type=float, default=0.25)
     ap.add_argument("--gen-scale", type=float, default=0.05)
     ap.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
-    ap.add_argument("--out", type=Path, default=Path("sim_vs_real_out"))
+    ap.add_argument("--out", type=Path,
+                    default=Path(os.environ.get("DUALPATH_OUT", "out")) / "sim_vs_real",
+                    help="where the tables go (default: $DUALPATH_OUT/sim_vs_real, else "
+                    "out/sim_vs_real)")
     ap.add_argument("--vllm", type=Path, metavar="PROFILE",
                     help="the vLLM half: vllm_pd_bench.py against this vLLM profile "
                     "(--agents default 4, --repeats 2 there)")

@@ -224,7 +224,7 @@ STORAGE_READ_HELP = (
     "(default 32, that benchmark's), capped at 0.9 of the line rate, so larger Full Blocks "
     "read faster: 0.55 of the line rate for DS 27B's 1.4 MB, 0.67 for DeepSeek-V3.2's 3.1 MB, "
     "0.78 for Qwen2.5-32B's 16.8 MB; the paper's Qwen Basic implies about 0.75, its "
-    "DeepSeek-V3.2 Basic about 0.48: docs/reproduction.md, storage section) "
+    "DeepSeek-V3.2 Basic about 0.48: docs/reproduction/README.md, storage section) "
     "(default: %(default)s)")
 
 

@@ -1,8 +1,8 @@
 """How fast a node's storage NIC moves KV reads: the storage system's effective rate, apart
 from the NIC's nominal line rate, which the hardware preset keeps.
 
-Three forms (docs/reproduction.md, "Storage read model"); a Full Block of `S` bytes on a NIC of
-nominal rate `R`:
+Three forms (docs/reproduction/README.md, "Storage read model"); a Full Block of `S` bytes on a
+NIC of nominal rate `R`:
 
 - `flat`: `rate = read_efficiency * R` for every block size.
 - `per_block`: a fixed `per_block_overhead_s` per block that overlaps with nothing, bytes at

@@ -51,4 +51,4 @@ def block_size_note(block: float, nominal: float, hardware: str = HARDWARE) -> s
     return (f"note: the calibrated rate was fitted on {fit / 1e6:.2f} MB Full Blocks and is "
             f"applied to every size; these are {block / fit:.1f}x that. `--storage-read queued` "
             f"(3FS#410's per-read cost) reads them at {q:.3f} of the line rate; the paper's "
-            f"Basic JCTs imply {paper} (docs/reproduction.md, storage section)")
+            f"Basic JCTs imply {paper} (docs/reproduction/README.md, storage section)")

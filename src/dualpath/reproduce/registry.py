@@ -181,6 +181,8 @@ def _relink(text: str, folder: Path, report_dir: Path) -> str:
         prefix = str(folder.resolve().relative_to(report_dir.resolve()))
     except ValueError:
         prefix = str(folder.resolve())
+    if prefix == ".":
+        return text
     return _LINK.sub(lambda m: "](" + prefix + "/" + str(m.group(1)) + ")", text)
 
 

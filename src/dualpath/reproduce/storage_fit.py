@@ -41,7 +41,7 @@ FIT_CELLS: tuple[tuple[int, str], ...] = tuple(
 """(agents, MAL) of the fitted cells: Fig. 7 DS 27B 1P1D Basic at 32K and 64K."""
 
 FORM = "flat"
-"""The form `reproduce calibrate-storage --write` records (why: docs/reproduction.md)."""
+"""The form `reproduce calibrate-storage --write` records (why: docs/reproduction/README.md)."""
 
 MIN_FRACTION = 0.05
 """The search's lower bound on the fraction of the line rate (the upper is 1)."""

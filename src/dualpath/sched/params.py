@@ -130,13 +130,13 @@ class PathMode(str, Enum):
 
 DEFAULT_TIE_SIDE = TieSide.BALANCED
 """`SchedulerParams.dual_tie_side`'s default (every world's, and the CLIs'): neither side is
-favoured by construction; with it DualPath's storage-NIC Max/Avg at DS 660B 2P4D is 1.23 / 1.19
-against the paper's 1.18 at 1,024 / 2,048 agents (ties to PE: 1.61 / 1.52;
-docs/figures/full/ablation_1024_2048)."""
+favoured by construction, a reading of the paper's rule, not a fit (the reproduction report's
+Fig. 12 section compares it with ties to PE)."""
 DEFAULT_RR_READ_SIDE = RRReadSide.RANDOM
 """`SchedulerParams.rr_read_side`'s default: the round-robin baseline picks the side without the
-queues (its storage Max/Avg 1.60 / 1.55 against the paper's 1.53, and the ablation's `dual-path`
-step -37.7% / -40.3% against -38.19%; the queue rule gives 1.59 / 1.51 and -45.1% / -49.2%)."""
+queues, as the paper's ablation adds queue-aware scheduling only in its last step (a reading of
+the paper, not a fit; the reproduction report's Fig. 12 section compares it with the queue
+rule)."""
 
 # Paper A.4 constants.
 ALPHA_READ_S = 3.0

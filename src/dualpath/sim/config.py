@@ -134,23 +134,20 @@ class SimParams:
     its DE assignment: they are given back at max(its last token, assignment + this). Models a
     per-turn DE occupancy the simulator does not otherwise have (a serving engine's setup or
     teardown per sequence, or the paper's DE-first wait through the PE queue, read and prefill
-    when that is longer than ours). Not from the paper: an opt-in probe of issue 26's Fig. 9
-    generation trend. 0: none (given back at the last token)."""
+    when that is longer than ours). Not from the paper: an opt-in probe of Fig. 9's generation
+    trend (the reproduction report's Fig. 9 addendum). 0: none (given back at the last
+    token)."""
     read_streams_per_request: int = 0
     """Full Block reads one request keeps in flight on its storage NIC (0: no bound, a read
     takes whatever share of the NIC it gets). With N > 0 each request's read is also capped at
     N x S / (L + S / r), one stream's rate for Full Blocks of S bytes from the storage model's
-    per-read latency `L` and stream rate `r` (3FS#410's 0.514 ms and 1.259 GB/s unless the model
-    says otherwise), so at light load a turn's read takes its latency, not its bytes over the
-    NIC's rate; the NIC's own rate still caps the node's reads together. Needs the `shared`
+    per-read latency `L` and stream rate `r` (`core.read_rate`'s published 3FS figures unless the
+    model says otherwise), so at light load a turn's read takes its latency, not its bytes over
+    the NIC's rate; the NIC's own rate still caps the node's reads together. Needs the `shared`
     read discipline on both sides (a `fifo` node reads one request at a time, which a capped
-    request would leave mostly idle). Not from the paper: an opt-in probe of issue 26 (why the
-    paper's DualPath is slower than ours where storage is not saturated: DS 27B at 32K, Qwen,
-    Fig. 8's 1P2D); 3FS#410 measured 32 jobs of one read each (iodepth 1). Found: no one N
-    serves the three models (DS 660B's DualPath needs N >= 4, DS 27B's 32K DualPath and
-    Qwen's speedup N = 1-2, where Qwen's 64K cells overshoot), and it leaves the +layerwise
-    step at Basic's JCT (docs/figures/full/storage/addendum_storage.md;
-    `benchmarks/read_streams.py`)."""
+    request would leave mostly idle). Not from the paper: an opt-in probe of why the paper's
+    DualPath is slower than ours where storage is not saturated; no single N serves the
+    paper's three models (the reproduction report's storage section)."""
     decode_cap_at: str = "assign"
     """Where the decode sequence cap (`CostCoefficients.max_seqs_per_decode_engine`) holds a
     turn back. `assign`: the DE scheduler counts it beside HBM when it gives the turn its decode
@@ -158,9 +155,9 @@ class SimParams:
     scheduler checks HBM only (the paper's §6.1) and the cap counts the turns each decode engine
     has admitted to decode (copy-in and decoding); a prefilled turn waits in its DE buffer for a
     place, as a serving engine's running-request limit (vLLM `max_num_seqs`) holds a request in
-    its waiting queue. An opt-in probe (issue 26): it leaves the prefill engines as starved in
-    Fig. 14 as `assign` does (the run stays decode-bound) and steepens Fig. 9's generation trend
-    (docs/figures/full/ablation_1024_2048/addendum_fig12.md, docs/figures/addendum_fig9.md)."""
+    its waiting queue. An opt-in probe: it leaves the prefill engines as starved in Fig. 14 as
+    `assign` does (the run stays decode-bound) and steepens Fig. 9's generation trend (the
+    reproduction report's Fig. 12 and Fig. 9 addenda)."""
 
     def __post_init__(self) -> None:
         o = "sim.params"

@@ -35,6 +35,9 @@ from dualpath.reproduce.storage_fit import (
 )
 from dualpath.sim import SimResult
 
+REPORT_NAME = "README.md"
+"""The assembled report's name in --out (a folder on GitHub shows its README)."""
+
 
 class ReproduceArgsError(DualPathError, ValueError):
     """A bad combination of `dualpath reproduce` options."""
@@ -57,11 +60,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="experiment names, `all`, `calibrate`, `calibrate-storage` or `report`")
     p.add_argument("--quick", action="store_true",
                    help="scaled-down runs, same shapes (all of them in under 10 minutes)")
-    p.add_argument("--out", type=Path, default=Path("docs/figures"),
-                   help="folder for CSV, PNG and markdown sections (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for CSV, PNG and markdown sections (default: "
+                   "$DUALPATH_OUT/reproduce, else out/reproduce); the committed report is "
+                   "rebuilt with `--out docs/reproduction`")
     p.add_argument("--report", type=Path, metavar="PATH",
-                   help="write the assembled report here (default for `all`: "
-                   "docs/reproduction.md)")
+                   help="write the assembled report here (default for `all` and `report`: "
+                   "README.md in --out)")
     p.add_argument("--agents", metavar="N,N", help="override agent counts (offline experiments)")
     p.add_argument("--mal", metavar="32k,64k", help="override MAL columns")
     p.add_argument("--setups", metavar="NAME,NAME",
@@ -83,6 +88,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "(default: the packaged cap, else 32)")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     p.set_defaults(func=run)
+
+
+def default_out() -> Path:
+    """`$DUALPATH_OUT/reproduce`, else `out/reproduce`: never a tracked folder."""
+    return Path(os.environ.get("DUALPATH_OUT", "out")) / "reproduce"
 
 
 def _csv(text: str | None) -> tuple[str, ...]:
@@ -183,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             f"--agents={args.agents}: expected integers like 512,1024") from None
     if args.jobs < 0:
         raise ReproduceArgsError(f"--jobs={args.jobs}: must be >= 0 (0: the machine's cores)")
+    if args.out is None:
+        args.out = default_out()
     runner = _logger(args.quiet)
     runner.jobs = args.jobs or os.cpu_count() or 1
     ctx = Context(args.out, runner, args.quick, agents, _csv(args.mal),
@@ -206,13 +218,13 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     if args.experiments == ["calibrate-storage"]:
         return _calibrate_storage(args, ctx)
     if args.experiments == ["report"]:
-        path = assemble_report(args.out, args.report or Path("docs/reproduction.md"))
+        path = assemble_report(args.out, args.report or args.out / REPORT_NAME)
         print(f"report: {path}")
         return 0
     keys = resolve(args.experiments)
     report = args.report
     if report is None and "all" in args.experiments:
-        report = Path("docs/reproduction.md")
+        report = args.out / REPORT_NAME
     command = "dualpath reproduce " + " ".join(
         a for a in sys.argv[2:] if a) if sys.argv[1:2] == ["reproduce"] else "dualpath reproduce"
     sections = run_experiments(
