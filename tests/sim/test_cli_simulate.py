@@ -96,7 +96,7 @@ def test_storage_read_model_from_the_command_line(capsys: pytest.CaptureFixture[
         out = capsys.readouterr()
         lines[spec] = next(x for x in out.err.splitlines() if x.startswith("storage reads"))
         jct[spec] = float(next(x for x in out.out.splitlines()
-                               if x.strip().startswith("basic")).split()[1])
+                               if x.strip().startswith("basic")).split()[2])
     assert "calibrated, flat: read efficiency 0.538" in lines["calibrated"]
     assert "1.000 of the 2 GB/s line rate" in lines["nominal"]
     assert "0.200 of the 2 GB/s line rate" in lines["flat:0.2"]
@@ -119,3 +119,40 @@ def test_calibrated_rate_notes_a_far_block_size(capsys: pytest.CaptureFixture[st
     at = next(i for i, x in enumerate(err) if x.startswith("storage reads"))
     assert err[at + 1].startswith("note: the calibrated rate was fitted on 1.39 MB Full Blocks")
     assert "`--storage-read queued`" in err[at + 1] and "12.1x" in err[at + 1]
+
+
+def test_online_rows_say_why_each_run_stopped_and_its_latencies_against_the_slo(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a slow storage NIC basic overloads (a TTFT past 4 s stops it early) while dualpath
+    runs its whole duration: the rows say so, count each run's own completed turns and give
+    no JCT ratio."""
+    argv = [*TINY, "--agents", "200", "--storage-nic-gb-per-s", "0.1", "--online-aps", "3",
+            "--max-duration", "60", "--mode", "basic,dualpath"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.strip().startswith(("basic ", "dualpath ")) and " APS" not in line
+            and "%" not in line}
+    assert "FAIL  overloaded: a turn's TTFT passed the limit" in rows["basic"]
+    assert "met  ran its full --max-duration" in rows["dualpath"]
+    assert "JCT" not in out and "vs basic" not in out
+    assert "SLO: mean TTFT <= 4 s and mean TPOT <= 50 ms" in out
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    for mode, line in rows.items():
+        assert line.split()[4] == f"{summary[mode]['num_completed']:,}"
+    assert summary["basic"]["stop_reason"] == "ttft_limit"
+
+
+def test_flags_of_other_commands_and_old_spellings_name_the_right_one(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags, needle in ((["--pd", "1P2D"], "--pd: simulate takes one P/D: --prefill-nodes P "
+                           "--decode-nodes D"),
+                          (["--storage-cluster-gbps", "10"], "renamed --storage-cluster-gb-per-s"),
+                          (["--modes", "basic"], "simulate spells it --mode")):
+        with pytest.raises(SystemExit) as ex:
+            main([*TINY, *flags])
+        err = capsys.readouterr().err
+        assert ex.value.code == 2 and needle in err and err.count("\n") == 1

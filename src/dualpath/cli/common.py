@@ -248,6 +248,11 @@ def storage_read_line(cluster: ClusterSpec, chosen: StorageReadModel | None,
     nominal = cluster.hardware.storage_nic_bytes_per_s
     block = float(cluster.model.kv_bytes_per_token * block_tokens)
     rate = model.read_bytes_per_s(nominal, block)
+    if chosen is None and model.is_nominal:
+        return (f"storage reads at the line rate, {nominal / GB:g} GB/s per storage NIC: "
+                f"{cluster.hardware.name} has no calibrated storage record, so this is an upper "
+                "bound (the paper's 3FS reads about half of it; --storage-read queued or "
+                "flat:F models yours)")
     which = "calibrated" if chosen is None else "--storage-read"
     line = (f"storage reads ({which}, {model.describe()}): {rate / GB:.1f} GB/s per storage NIC "
             f"for {block / 1e6:.2f} MB Full Blocks, {rate / nominal:.3f} of the "

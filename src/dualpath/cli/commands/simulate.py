@@ -13,14 +13,19 @@ from typing import Any
 
 from dualpath import IMPLEMENTATION
 from dualpath.cli.common import (
+    GB_PER_S,
     add_cluster_args,
     add_read_side_args,
     add_storage_read_arg,
     cluster_from_args,
     read_side_overrides,
+    refuse_flags,
+    renamed,
     storage_read_from_args,
     storage_read_line,
 )
+from dualpath.cli.sim_tables import SHARES_EPILOG, render_offline, render_online
+from dualpath.cli.workload_args import add_workload_args, workload_from_args
 from dualpath.core.errors import DualPathError
 from dualpath.core.units import GB
 from dualpath.plan.ray_backend import RAY_HELP, join
@@ -36,7 +41,6 @@ from dualpath.sim import (
     mode_preset,
 )
 from dualpath.sim import simulate as run_sim
-from dualpath.sim.workload import agent_workload
 
 
 class SimulateArgsError(DualPathError, ValueError):
@@ -50,32 +54,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Discrete-event simulation of a PD-disaggregated cluster: the real dualpath.sched "
             "policies, storage/compute NICs, DRAM and HBM charged hop by hop for both KV read "
-            "paths. Several --mode values run side by side and their JCTs are compared."
+            "paths. Several --mode values run side by side: offline, their JCTs are compared; "
+            "online (--online-aps), each row says why the run stopped and its latencies "
+            "against the SLO."
         ),
-        epilog=(
-            "Table columns: SNIC util = mean storage-NIC read utilization; PE busy / PE comp = "
-            "share of the run the prefill groups spent in a step / computing (a busy share "
-            "well above the compute share is a prefill side waiting for its KV to stream; a "
-            "low busy share, one waiting for reads or requests); SNIC M/A = storage-NIC "
-            "traffic Max/Avg across machines per 10 s window (paper Fig. 13); attn M/A = "
-            "attention-time Max/Avg across the engines that ran in a synchronized prefill "
-            "step (Fig. 14)."
-        ),
+        epilog=f"Table columns: {SHARES_EPILOG}",
     )
     add_cluster_args(p)
-    w = p.add_argument_group("workload")
-    w.add_argument("--trace", default="64k",
-                   help="Table-2 trace: 32k, 48k, 64k (default: %(default)s)")
-    w.add_argument("--agents", type=int, default=64, help="agents (default: %(default)s)")
-    w.add_argument("--mal", type=int, metavar="TOKENS", help="truncate trajectories at this MAL")
-    w.add_argument("--append-scale", type=float, default=1.0, help="scale every append length")
-    w.add_argument("--gen-scale", type=float, default=1.0, help="scale every generation length")
-    w.add_argument("--trajectories", metavar="FILE",
-                   help="replay the first --agents trajectories of this trajectory JSONL file "
-                   "(scaled and truncated by --append-scale, --gen-scale, --mal) instead of "
-                   "Table-2 agents")
-    w.add_argument("--mooncake", metavar="PATH",
-                   help="replay a Mooncake-format trace by its timestamps instead of agents")
+    w = add_workload_args(p)
     w.add_argument("--online-aps", type=float, metavar="APS",
                    help="online: Poisson agent arrivals per second (default: offline)")
     w.add_argument("--max-duration", type=float, default=3600.0, metavar="S",
@@ -94,8 +80,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "scheduler quota and beta), with --prefill-nodes/--decode-nodes nodes "
                    "(--model and --hardware are not used)")
     add_storage_read_arg(s)
-    s.add_argument("--storage-cluster-gbps", type=float, default=0.0, metavar="GB/S",
-                   help="aggregate read cap of the storage cluster (default: none)")
+    s.add_argument("--storage-cluster-gb-per-s", type=float, default=0.0, metavar=GB_PER_S,
+                   help="aggregate read cap of the storage cluster, in GB/s (default: none)")
     for side, node in (("pe", "prefill"), ("de", "decode")):
         s.add_argument(f"--{side}-reads", metavar="fifo|shared[:N]",
                        help=f"how a {node} node's storage NIC serves its requests' reads: fifo "
@@ -119,6 +105,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                    help=RAY_HELP.replace("every independent simulation", "each mode"))
     add_read_side_args(s)
+    refuse_flags(p, {
+        "--storage-cluster-gbps": renamed("--storage-cluster-gb-per-s"),
+        "--modes": "simulate spells it --mode (repeat or comma-separate)",
+        "--duration": "simulate spells it --max-duration (with --online-aps)",
+    })
     p.set_defaults(func=run)
 
 
@@ -130,27 +121,17 @@ def _modes(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _render(results: dict[str, SimResult]) -> str:
-    lines = []
-    first = next(iter(results.values()))
-    lines.append(f"cluster {first.cluster}, {first.num_requests} turns")
-    head = f"  {'mode':<10} {'JCT s':>10} {'vs basic':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-    head += f"{'TPOT ms':>8} {'SNIC util':>9} {'PE busy':>8} {'PE comp':>8} {'SNIC M/A':>9} "
-    head += f"{'attn M/A':>9}"
-    lines.append(head)
-    base = results.get("basic")
-    for name, r in results.items():
-        ttft = r.percentiles(r.ttft_s)
-        tpot = r.tpot_s
-        snic = r.resources["snic_read"].mean_utilization
-        speed = f"{base.jct_s / r.jct_s:.2f}x" if base is not None and r.jct_s > 0 else "-"
-        lines.append(
-            f"  {name:<10} {r.jct_s:>10.1f} {speed:>9} {ttft['p50']:>9.2f} {ttft['p99']:>9.2f} "
-            f"{(tpot.mean() * 1e3 if len(tpot) else 0.0):>8.1f} {snic:>9.1%} "
-            f"{r.prefill_busy_share:>8.1%} {r.prefill_compute_share:>8.1%} "
-            f"{r.snic_window_max_over_avg:>9.2f} {r.attention_ran_max_over_avg:>9.2f}"
-        )
-    return "\n".join(lines)
+def _render(args: argparse.Namespace, results: dict[str, SimResult], driver: Driver,
+            workload: Workload) -> str:
+    if driver.kind == "online":
+        return render_online(results, driver.agents_per_s, driver.max_duration_s,
+                             driver.ttft_limit_s, driver.num_agents)
+    if driver.kind == "replay":
+        words = f"replay of {workload.num_turns:,} requests of {args.mooncake} by their timestamps"
+    else:
+        words = (f"offline: {workload.num_agents} agents, {workload.num_turns:,} turns, all "
+                 "starting at t = 0")
+    return render_offline(results, words)
 
 
 def _plot(results: dict[str, SimResult], path: str) -> None:
@@ -211,18 +192,6 @@ def _on_ray(address: str, configs: dict[str, SimConfig],
     return out
 
 
-def _trajectory_workload(args: argparse.Namespace, block_size: int) -> Workload:
-    """The first --agents trajectories of --trajectories, scaled and truncated as `dualpath
-    run` does, one agent each."""
-    from dualpath.workload.jsonl import load_trajectories
-    from dualpath.workload.replay import scale_lengths
-    from dualpath.workload.trajectory import TurnTable
-
-    trajs = list(load_trajectories(args.trajectories).trajectories[: args.agents])
-    trajs = [scale_lengths(t, args.append_scale, args.gen_scale, args.mal) for t in trajs]
-    return Workload.from_turn_table(TurnTable.from_trajectories(trajs, block_size))
-
-
 def run(args: argparse.Namespace) -> int:
     profile = None
     if args.profile:
@@ -234,24 +203,10 @@ def run(args: argparse.Namespace) -> int:
         cluster = cluster_from_args(args)
     modes = _modes(args)
     storage = storage_read_from_args(args)
-    if args.agents < 1:
-        raise SimulateArgsError(f"--agents={args.agents}: must be >= 1")
-    if args.mooncake and args.trajectories:
-        raise SimulateArgsError("--mooncake and --trajectories are exclusive")
-    if args.mooncake:
-        if args.online_aps is not None:
-            raise SimulateArgsError("--mooncake and --online-aps are exclusive")
-        from dualpath.workload.mooncake import load_mooncake
-
-        workload = Workload.from_mooncake(load_mooncake(args.mooncake))
-    elif args.trajectories:
-        workload = _trajectory_workload(
-            args, profile.sim_kwargs()["params"].block_size_tokens if profile else 64)
-    else:
-        workload = agent_workload(
-            args.trace, args.agents, seed=args.seed, max_len_tokens=args.mal,
-            append_factor=args.append_scale, gen_factor=args.gen_scale,
-        )
+    if args.mooncake and args.online_aps is not None:
+        raise SimulateArgsError("--mooncake and --online-aps are exclusive")
+    workload = workload_from_args(
+        args, profile.sim_kwargs()["params"].block_size_tokens if profile else 64)
     if args.mooncake:
         driver = Driver(kind="replay")
     elif args.online_aps is not None:
@@ -260,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         driver = Driver(kind="offline", num_agents=(workload.num_agents if args.trajectories
                                                     else args.agents))
-    params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gbps * GB,
+    params = SimParams(storage_cluster_bytes_per_s=args.storage_cluster_gb_per_s * GB,
                        inference_load_fraction=args.inference_load,
                        prefill_ep_engines=args.prefill_ep_engines,
                        decode_ep_engines=args.decode_ep_engines, storage_read=storage)
@@ -320,5 +275,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: r.summary() for k, r in results.items()}, indent=2))
     else:
-        print(_render(results))
+        print(_render(args, results, driver, workload))
     return 0
