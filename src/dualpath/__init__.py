@@ -2,7 +2,7 @@
 
 from dualpath._compiled import install as _install_compiled
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Compiled (mypyc) simulator modules are used only when built from the current sources.
 IMPLEMENTATION = _install_compiled()
