@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from dualpath.cli.common import GB_PER_S, refuse_flags, renamed
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster.spec import (
     HOST_MODES,
@@ -20,6 +21,7 @@ from dualpath.integrations.vllm.cluster.spec import (
     LOADS_HELP,
     VllmClusterSpec,
 )
+from dualpath.integrations.vllm.manifest import SIDE_CHANNEL_SECRET_ENV
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
@@ -82,8 +84,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--side-port", type=int, default=9000, metavar="PORT", help="with --role "
                     "decode: the first side channel's port (one per rank, counting up) "
                     "(default: %(default)s)")
-    up.add_argument("--storage-read-gbps", type=float, metavar="G", help="emulate each "
-                    "node's storage NIC at G Gb/s for reads (default: unpaced)")
+    up.add_argument("--storage-read-gb-per-s", type=float, metavar=GB_PER_S, help="emulate "
+                    "each node's storage NIC for reads at this rate, in GB/s (default: "
+                    "unpaced)")
+    refuse_flags(up, {"--storage-read-gbps": renamed("--storage-read-gb-per-s", "Gb/s",
+                                                     "GB/s: divide by 8")})
     up.add_argument("--staging-blocks", type=int, default=32, metavar="N",
                     help="Full Block slots of each decode node's staging buffer "
                     "(default: %(default)s)")
@@ -134,6 +139,10 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError("vllm up", args.role, getattr(args, args.role), "must be >= 1")
     if args.hosts != "loopback":
         raise SpecError("vllm up", "hosts", args.hosts, "--role runs on this real host")
+    if not os.environ.get(SIDE_CHANNEL_SECRET_ENV):
+        raise SpecError("vllm up", SIDE_CHANNEL_SECRET_ENV, None, f"--role {args.role}: export "
+                        "the same side-channel secret on every host of the cluster, e.g. "
+                        f"`export {SIDE_CHANNEL_SECRET_ENV}=$(openssl rand -hex 32)`")
 
 
 def router_args(instances: list[tuple[str, str, str | None]]) -> list[str]:
@@ -173,7 +182,9 @@ def run_up(args: argparse.Namespace) -> int:
                                log_dir=log_dir, served_model_name=served,
                                staging_blocks=args.staging_blocks,
                                blocks_per_file=args.blocks_per_file,
-                               storage_read_gbps=args.storage_read_gbps, hosts=args.hosts,
+                               storage_read_gbps=(None if args.storage_read_gb_per_s is None
+                                                  else args.storage_read_gb_per_s * 8),
+                               hosts=args.hosts,
                                async_loads=args.loads == "async", dtype=args.dtype,
                                cuda_graphs=args.cuda_graphs,
                                tensor_parallel_size=args.tensor_parallel_size,

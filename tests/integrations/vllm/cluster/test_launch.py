@@ -284,7 +284,8 @@ def test_vllm_up_role_prints_the_router_arguments_and_keeps_the_logs(stand_in: P
     logs, first = stand_in / "logs", free_ports(2)
     up = _up("--role", "prefill", "--prefill", "2", "--address", "127.0.0.1", "--port",
              str(first), "--store", str(stand_in / "store"), "--model", str(stand_in),
-             "--vllm-python", sys.executable, "--log-dir", str(logs))
+             "--vllm-python", sys.executable, "--log-dir", str(logs),
+             env={"DUALPATH_SIDE_CHANNEL_SECRET": "c" * 32})
     try:
         assert up.stdout is not None
         line = up.stdout.readline().split()
@@ -304,9 +305,15 @@ def test_vllm_up_role_prints_the_router_arguments_and_keeps_the_logs(stand_in: P
     (("--role", "decode", "--store", "/tmp/s"), "address"),
     (("--role", "decode", "--address", "h"), "store"),
     (("--decode", "0",), "prefill/decode"),
+    (("--role", "decode", "--address", "h", "--store", "/tmp/s"),
+     "export the same side-channel secret on every host"),
 ])
 def test_vllm_up_refuses_a_bad_shape_naming_the_option(argv: tuple[str, ...],
                                                        field: str) -> None:
-    up = _up(*argv, "--vllm-python", sys.executable)
+    env = {**os.environ}
+    env.pop("DUALPATH_SIDE_CHANNEL_SECRET", None)
+    up = subprocess.Popen([sys.executable, "-m", "dualpath.cli.main", "vllm", "up", *argv,
+                           "--vllm-python", sys.executable], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
     _, err = up.communicate(timeout=60)
     assert up.returncode == 2 and field in err and err.count("\n") == 1, err
