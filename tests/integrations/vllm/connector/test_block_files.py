@@ -286,8 +286,9 @@ def test_the_launcher_passes_blocks_per_file_only_when_set(tmp_path: Path) -> No
 # -- the DE path: a decode node stages files into per-block slots, NIXL pulls them --------
 nixl = pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
-from dualpath.integrations.vllm.connector import remote  # noqa: E402
-from dualpath.integrations.vllm.connector.remote import DecodeRemote, PrefillRemote  # noqa: E402
+from dualpath.integrations.vllm.connector import staged_pull  # noqa: E402
+from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote  # noqa: E402
+from dualpath.integrations.vllm.connector.remote import PrefillRemote  # noqa: E402
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool  # noqa: E402
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import (  # noqa: E402
     DecodeSideChannel,
@@ -397,9 +398,9 @@ def test_a_stage_from_inside_a_file_drops_the_blocks_before(
     keys = block_keys(PROMPT, BS, NS)
     worker = KVWorker(store, LAYERS, PAGE, blocks_per_file=G)
     kv = paged()
-    monkeypatch.setattr(remote, "MIN_STAGE_PIECE_BLOCKS", 1)
-    assert remote.stage_chunks(13, pieces, 3, G) == ([(0, 13)] if pieces == 1
-                                                     else [(0, 5), (5, 13)])
+    monkeypatch.setattr(staged_pull, "MIN_STAGE_PIECE_BLOCKS", 1)
+    assert staged_pull.stage_chunks(13, pieces, 3, G) == ([(0, 13)] if pieces == 1
+                                                          else [(0, 5), (5, 13)])
     prefill = PrefillRemote(worker, kv, stage_pieces=pieces)
     try:
         t = BlockTransfer("c", 3, tuple(range(33, 46)), (keys[7], keys[15]), blocks_per_file=G)

@@ -23,7 +23,10 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
 from dualpath.integrations.vllm.cluster.ports import free_port
-from dualpath.integrations.vllm.connector import remote
+from dualpath.integrations.vllm.connector import staged_pull
+from dualpath.integrations.vllm.connector.async_loader import AsyncLoader
+from dualpath.integrations.vllm.connector.bounce import host_bounce_option
+from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
@@ -32,7 +35,7 @@ from dualpath.integrations.vllm.connector.plan import (
     StepPlan,
     XferLoad,
 )
-from dualpath.integrations.vllm.connector.remote import AsyncLoader, DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
 from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
@@ -279,12 +282,12 @@ def test_two_requests_pulled_and_pushed_in_one_step_each_get_their_own_pages(
 
 
 def test_the_connector_option_of_the_host_bounce() -> None:
-    assert remote.host_bounce_option("auto") is None and remote.host_bounce_option(None) is None
-    assert remote.host_bounce_option("on") is True and remote.host_bounce_option(True) is True
-    assert remote.host_bounce_option("OFF") is False and remote.host_bounce_option("false") \
+    assert host_bounce_option("auto") is None and host_bounce_option(None) is None
+    assert host_bounce_option("on") is True and host_bounce_option(True) is True
+    assert host_bounce_option("OFF") is False and host_bounce_option("false") \
         is False
     with pytest.raises(ValueError, match="auto, on or off"):
-        remote.host_bounce_option("sometimes")
+        host_bounce_option("sometimes")
 
 
 def test_the_host_bounce_is_on_by_default_only_for_gpu_kv(pair: Pair) -> None:
@@ -375,7 +378,7 @@ def test_a_background_pull_bounces_in_chunks_and_keeps_the_chunks_before_a_failu
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     p = pair
     de = p.channel.address
-    monkeypatch.setattr(remote, "BOUNCE_CHUNK_BYTES", 2 * FULL)  # two blocks at a time
+    monkeypatch.setattr(staged_pull, "BOUNCE_CHUNK_BYTES", 2 * FULL)  # two blocks at a time
     assert p.prefill.pull_whole(RemoteLoad("x", de, BlockTransfer(
         "r", 0, (5, 1, 6), tuple(KEYS[:3])))) == 3
     for i, name in enumerate(LAYERS):
@@ -400,14 +403,14 @@ def test_a_background_pull_bounces_in_chunks_and_keeps_the_chunks_before_a_failu
 
 
 def test_a_background_load_is_staged_in_pieces() -> None:
-    assert remote.stage_chunks(0, 4) == []
-    assert remote.stage_chunks(10, 4) == [(0, 8), (8, 10)]  # pieces of at least 8 blocks
-    assert remote.stage_chunks(100, 4) == [(0, 25), (25, 50), (50, 75), (75, 100)]
-    assert remote.stage_chunks(100, 1) == [(0, 100)]
+    assert staged_pull.stage_chunks(0, 4) == []
+    assert staged_pull.stage_chunks(10, 4) == [(0, 8), (8, 10)]  # pieces of at least 8 blocks
+    assert staged_pull.stage_chunks(100, 4) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    assert staged_pull.stage_chunks(100, 1) == [(0, 100)]
     # Files of 8 blocks, the load from block 3: every piece but the last ends on a file edge
     # (absolute blocks 32, 64, 96), so no file is staged twice.
-    assert remote.stage_chunks(100, 4, 3, 8) == [(0, 29), (29, 61), (61, 93), (93, 100)]
-    assert remote.stage_chunks(5, 4, 3, 8) == [(0, 5)]
+    assert staged_pull.stage_chunks(100, 4, 3, 8) == [(0, 29), (29, 61), (61, 93), (93, 100)]
+    assert staged_pull.stage_chunks(5, 4, 3, 8) == [(0, 5)]
     with pytest.raises(ValueError, match="stage_pieces"):
         PrefillRemote(KVWorker(BlockStore(Path("/nonexistent"), FULL), LAYERS, PAGE), paged(),
                       stage_pieces=0)
@@ -420,7 +423,7 @@ def test_a_pipelined_background_pull_keeps_the_pieces_before_a_failed_stage(
     slot afterwards, the connection stays in step) and every slot goes back on release."""
     p = pair
     de = p.channel.address
-    monkeypatch.setattr(remote, "MIN_STAGE_PIECE_BLOCKS", 1)
+    monkeypatch.setattr(staged_pull, "MIN_STAGE_PIECE_BLOCKS", 1)
     p.prefill.stage_pieces = 3  # a piece per block
     assert p.prefill.pull_whole(RemoteLoad("x", de, BlockTransfer(
         "r", 0, (5, 1, 6), tuple(KEYS[:3])))) == 3

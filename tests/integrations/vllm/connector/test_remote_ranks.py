@@ -18,6 +18,7 @@ pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
 from dualpath.integrations.vllm.cluster.ports import free_ports
+from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
@@ -26,7 +27,7 @@ from dualpath.integrations.vllm.connector.plan import (
     StepPlan,
     XferLoad,
 )
-from dualpath.integrations.vllm.connector.remote import DecodeRemote, PrefillRemote
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.integrations.vllm.manifest import Shard

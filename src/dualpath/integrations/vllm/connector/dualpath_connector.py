@@ -56,12 +56,15 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.connector.async_loader import AsyncLoader
+from dualpath.integrations.vllm.connector.bounce import host_bounce_option
 from dualpath.integrations.vllm.connector.compat import (
     DISK_HIT_SOURCE,
     HEADS_FIRST_LAYOUT,
     kv_cache_layout,
     resumed_req_ids,
 )
+from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
 from dualpath.integrations.vllm.connector.kvio import KVWorker, WorkerCounters
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
@@ -71,12 +74,7 @@ from dualpath.integrations.vllm.connector.plan import (
     model_identity,
     namespace_key,
 )
-from dualpath.integrations.vllm.connector.remote import (
-    AsyncLoader,
-    DecodeRemote,
-    PrefillRemote,
-    host_bounce_option,
-)
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.scope import request_scope
 from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
 from dualpath.integrations.vllm.connector.side_channel.client import RemotePool

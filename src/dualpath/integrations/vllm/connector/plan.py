@@ -205,8 +205,8 @@ def check_blocks_per_file(value: object) -> int:
 
 
 BACKGROUND_LOAD_THREADS = 4
-"""Threads of a prefill worker's background loads per read path (`remote.AsyncLoader`): each
-reads one request's blocks one after another, so this many requests share the path's NIC."""
+"""Threads of a prefill worker's background loads per read path (`async_loader.AsyncLoader`):
+each reads one request's blocks one after another, so this many requests share the path's NIC."""
 
 
 def storage_read_disciplines(async_loads: bool) -> dict[str, object]:
