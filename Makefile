@@ -43,7 +43,7 @@ run: $(STAMP) $(COMPILED)
 	$(VENV)/bin/dualpath run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests tools $(wildcard benchmarks)
+	$(VENV)/bin/ruff check src tests tools $(wildcard benchmarks examples research)
 	@# tests/ has no packages: two test files with one name break pytest's collection
 	@dup=$$(find tests -name '*.py' ! -name conftest.py -printf '%f\n' | sort | uniq -d); \
 	  if [ -n "$$dup" ]; then echo "test files share a name: $$dup"; exit 1; fi
@@ -62,16 +62,17 @@ unit: $(STAMP) $(COMPILED) deploy-tools
 test: lint typecheck contracts unit vllm-typecheck vllm-test
 
 bench: $(STAMP) $(COMPILED)
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/*/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # aiperf against `dualpath serve` per mode; aiperf lives in its own venv (never in .venv).
 bench-serve: $(STAMP) $(COMPILED)
 	@test -x .venv-bench/bin/aiperf || { $(PYTHON) -m venv .venv-bench && \
 	  .venv-bench/bin/pip install -q aiperf==0.13.0; }
-	$(PY) benchmarks/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
+	$(PY) benchmarks/runtime/bench_aiperf.py --aiperf .venv-bench/bin/aiperf
 
-# NVIDIA's AIConfigurator in its own venv (never in .venv) for benchmarks/vs_aiconfigurator.py,
-# which also makes it on first use; never part of `make test`.
+# NVIDIA's AIConfigurator in its own venv (never in .venv) for
+# benchmarks/compare/vs_aiconfigurator.py, which also makes it on first use; never part of
+# `make test`.
 AIC_VENV := .venv-aic
 aic-setup: $(AIC_VENV)/bin/aiconfigurator
 
@@ -124,7 +125,7 @@ $(VLLM_STAMP): requirements-vllm.txt
 # The connector demo on SmolLM2 (CPU, a few minutes): identical greedy tokens with and without
 # the connector, the storage hit of turn 2, a corrupted block recomputed.
 vllm-demo: $(VLLM_STAMP)
-	$(VLLM_PY) benchmarks/vllm_connector_demo.py
+	$(VLLM_PY) examples/vllm_connector_demo.py
 
 # The tests that need vllm (skipped in .venv): one instance (the PE read path, persistence,
 # a corrupt block) and P/D servers with the router (both read paths over NIXL, then issue

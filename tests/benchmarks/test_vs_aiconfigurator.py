@@ -1,5 +1,5 @@
-"""`benchmarks/vs_aiconfigurator.py` offline: its parser on a real AIConfigurator 0.12.0 output
-(tests/fixtures), the storage arithmetic, and the config.json it writes for AIConfigurator
+"""`benchmarks/compare/vs_aiconfigurator.py` offline: its parser on a real AIConfigurator 0.12.0
+output (tests/fixtures), the storage arithmetic, and the config.json it writes for AIConfigurator
 against our model registry. AIConfigurator itself is not installed by `make test`."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ OUTPUT = ROOT / "tests" / "fixtures" / "aiconfigurator-0.12.0-qwen2.5-32b-h200.t
 
 def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "vs_aiconfigurator", ROOT / "benchmarks" / "vs_aiconfigurator.py")
+        "vs_aiconfigurator", ROOT / "benchmarks" / "compare" / "vs_aiconfigurator.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up by name

@@ -96,7 +96,7 @@ def test_growth_table_flags_a_paper_doubling_above_the_work() -> None:
 
 
 def test_calibrate_setup_scales_a_given_base() -> None:
-    # A probe of another cost shape (benchmarks/pass_fixed_cost.py) fits k and the cap on top
+    # A probe of another cost shape (research/pass_fixed_cost.py) fits k and the cap on top
     # of its own coefficients: the "before" runs are that base, and k scales its overheads.
     runner = Runner()
     packaged = load_cost_coefficients("ds-27b", "h800-deepseek")

@@ -51,10 +51,10 @@ UNIT_TESTS = (
 
 
 def script(name: str) -> Path:
-    """A benchmark script by name, wherever under benchmarks/ it lives."""
-    found = sorted((REPO / "benchmarks").rglob(name))
+    """A demo or benchmark script by name, wherever under examples/ or benchmarks/ it lives."""
+    found = sorted(p for top in ("examples", "benchmarks") for p in (REPO / top).rglob(name))
     if not found:
-        raise SystemExit(f"gpu_check: {name}: not found under benchmarks/")
+        raise SystemExit(f"gpu_check: {name}: not found under examples/ or benchmarks/")
     return found[0]
 
 

@@ -49,7 +49,7 @@ These causes apply to every section; each section's tables show how large the di
    Before, the means over the last two thirds of 2,400 s runs were judged, and a Basic whose
    storage queue grew the whole run passed: DS 660B 2P4D Basic met the SLO at 0.375 APS on a
    2,400 s run, while over 7,200 s its TTFT climbs past 4 s at 0.3 APS (`python
-   benchmarks/online_drift.py`: per sixth of the run 0.23, 1.13, 3.57, 5.45, 7.42, 9.87 s,
+   research/online_drift.py`: per sixth of the run 0.23, 1.13, 3.57, 5.45, 7.42, 9.87 s,
    aborted at 5,406 s; on 2,400 s the old late mean is 1.89 s);
    its steady capacity is 0.244 APS, the storage bound (2 x 0.538 x 50 GB/s over 245 GB of
    hit KV per 64K agent: 0.22). Judged at steady state, DualPath/Basic capacity is 1.92x for
@@ -118,7 +118,7 @@ These causes apply to every section; each section's tables show how large the di
    request (`--storage-read queued[:C]`, C by default 3FS#410's own 32 reads in flight: 0.550,
    0.666 and 0.776 of the line rate for the three Full Blocks above) and print the rate each
    run's blocks get. The held-out sets under both forms (2026-12-03,
-   `benchmarks/storage_heldout.py`) and the reasons no storage form alone can keep DS 660B
+   `research/storage_heldout.py`) and the reasons no storage form alone can keep DS 660B
    (the paper's Basic implies its larger blocks moved slower; one `C` would need 25.9 reads in
    flight for DS 660B against 31.3 for DS 27B and 30.9 for Qwen) are in section `storage`,
    "Held-out cells under both forms". Qwen's DualPath under `queued` (its storage 1.41x the
@@ -139,7 +139,7 @@ These causes apply to every section; each section's tables show how large the di
    `SimParams.read_streams_per_request`) slows DualPath where storage is not saturated, as the
    paper's is, but no one N serves the three models: DS 660B's DualPath needs N >= 4, DS 27B's
    32K cells and Qwen's speedup N = 1-2, where Qwen's 64K cells overshoot (section `storage`,
-   "A bound on each request's own reads"; `benchmarks/read_streams.py`).
+   "A bound on each request's own reads"; `research/read_streams.py`).
 9. **The +layerwise ablation step.** Without layerwise prefill a prefill engine must hold a
    request's whole KV in HBM: our Basic reads land in the PE's HBM, which holds each request's
    KV from its read's start until it has left for the decode side (`sim.handlers`,

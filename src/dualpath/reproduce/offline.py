@@ -478,7 +478,7 @@ def _balance(ctx: Context, name: str, agents: Sequence[int],
               "sequences per decode engine), so turns reach prefill only as decoding ones end "
               "and the compute quota that balances attention rarely binds; without the cap "
               "every engine runs at the quota (1.00), with it checked after prefill instead of "
-              "before, 1.93 (`benchmarks/attention_steps.py`; Fig. 12 addendum)"),
+              "before, 1.93 (`research/attention_steps.py`; Fig. 12 addendum)"),
     )
     return body, (snic_csv, attn_csv, snic_png, attn_png), claims
 

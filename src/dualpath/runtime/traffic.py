@@ -20,7 +20,7 @@ arbitration, so KV traffic uses the spare bandwidth without starving.
 
 Doorbell batching: `TrafficManager.send_batch` submits many Layer-Block copies as one request
 (one arbiter round trip per chunk of the *batch*, not per block), which is what keeps the
-per-Layer-Block overhead at a few microseconds (measured in `benchmarks/bench_runtime.py`).
+per-Layer-Block overhead at a few microseconds (measured in `benchmarks/runtime/bench_runtime.py`).
 """
 
 from __future__ import annotations

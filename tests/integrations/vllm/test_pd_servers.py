@@ -1,6 +1,6 @@
 """DualPath's P/D flow in real vLLM: a prefill and a decode server, both read paths over NIXL.
 
-Runs `benchmarks/vllm_pd_demo.py --failover` (two vLLM CPU servers with SmolLM2, a few
+Runs `examples/vllm_pd_demo.py --failover` (two vLLM CPU servers with SmolLM2, a few
 minutes) and requires every check: identical greedy tokens for full recompute, the PE path,
 the DE path and a split read; the cached-token counts; the NIXL pulls in the prefill server's
 event log; a corrupted block recomputed and rewritten; and issue 28's kill test on the same
@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (make vllm-setup)")
 
-DEMO = Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_pd_demo.py"
+DEMO = Path(__file__).resolve().parents[3] / "examples" / "vllm_pd_demo.py"
 
 
 def test_pd_read_paths_give_identical_tokens() -> None:

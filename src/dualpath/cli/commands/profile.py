@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "with --vllm-python on --model (a folder, or smollm2: the converted SmolLM2) on the "
         "cores one instance of a 1P1D cluster gets here. --model gives the model's shape "
         "either way. The run configuration recorded is the vLLM P/D cluster's "
-        "(benchmarks/vllm_pd_bench.py): one instance per node, its storage NIC, staging "
+        "(benchmarks/vllm/vllm_pd_bench.py): one instance per node, its storage NIC, staging "
         "buffer and KV cache.")
     v.add_argument("--engine", choices=("runtime", "vllm"), default="runtime",
                    help="what to profile (default: %(default)s: one of the runtime's engines)")

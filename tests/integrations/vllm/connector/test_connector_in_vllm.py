@@ -1,4 +1,4 @@
-"""DualPathConnector inside real vLLM (CPU) with SmolLM2: runs `benchmarks/vllm_connector_demo.py`.
+"""DualPathConnector inside real vLLM (CPU) with SmolLM2: runs `examples/vllm_connector_demo.py`.
 
 Skipped where vllm is not importable (the main `.venv`; `make test`). In the vLLM venv:
 `.venv-vllm/bin/python -m pytest tests/integrations/test_vllm_connector.py` (3-4 minutes on
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (make vllm-setup)")
 
-DEMO = Path(__file__).resolve().parents[4] / "benchmarks" / "vllm_connector_demo.py"
+DEMO = Path(__file__).resolve().parents[4] / "examples" / "vllm_connector_demo.py"
 
 
 def test_connector_demo_passes_every_check() -> None:

@@ -1,5 +1,5 @@
 """The stock vLLM baseline: what a vLLM user deploys for P/D with KV kept in a shared folder,
-without DualPath (`benchmarks/vllm_pd_bench.py --modes ...,vllm-stock`).
+without DualPath (`benchmarks/vllm/vllm_pd_bench.py --modes ...,vllm-stock`).
 
 Every instance runs vLLM 0.32's own connectors only, through its `MultiConnector`:
 1. `NixlConnector` (P/D: the prefill instance computes the prompt, the decode instance pulls

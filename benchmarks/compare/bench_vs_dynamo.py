@@ -20,7 +20,7 @@ Dynamo lives in its own venv (`.venv-dynamo`, made on first use): ai-dynamo==1.6
 ai-dynamo-runtime==1.6.1 installed with --no-deps (a plain install fails: one dependency is a
 stub that downloads at install time), plus typing_extensions.
 
-    python benchmarks/bench_vs_dynamo.py [--repeats 3] [--trace PATH] [--dynamo-python PATH]
+    python benchmarks/compare/bench_vs_dynamo.py [--repeats 3] [--trace PATH] [--dynamo-python PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 DYNAMO_VENV = REPO / ".venv-dynamo"
 DYNAMO_PINS = ["ai-dynamo==1.6.1", "ai-dynamo-runtime==1.6.1", "typing_extensions==4.16.0"]

@@ -1,4 +1,4 @@
-"""Issue 28's kill test with real vLLM servers: a decode, then (separately) a prefill vLLM
+"""The kill test with real vLLM servers: a decode, then (separately) a prefill vLLM
 server SIGKILLed under load behind `dualpath route`, with `VllmCluster.supervise` restarting
 it as `dualpath vllm up` does.
 
@@ -8,7 +8,7 @@ it as `dualpath vllm up` does.
 2. the reference: each prompt alone through the router (greedy), token ids;
 3. per victim (decode0, then prefill0): one prompt streamed; once its first event is in, the
    others sent at once and, 0.2 s later (at the prefill instance), the victim's vLLM API
-   server process SIGKILLed (the probe of the issue: the server alone, its engine and
+   server process SIGKILLed (the server alone, its engine and
    workers left to the launcher); every request not yet streaming must succeed with the
    reference's tokens (retried, they wait in the router while the only instance of its role
    restarts); the stream, already going, may end with an error event;
@@ -16,25 +16,23 @@ it as `dualpath vllm up` does.
    it with the reference's tokens; nothing of the killed server left (its process group
    empty, its tagged shared memory gone).
 
-Before the kills, what the replies and vLLM's own telemetry say (issue 28, deliver 2-3):
+Before the kills, what the replies and vLLM's own telemetry say:
 each reference reply's `usage.prompt_tokens_details.cached_tokens` equals the blocks its
 prefill loaded (the `dualpath` extension), a request's `X-Request-Id` is in both instances'
 logs, the decode instance's KV events (a ZMQ subscriber) carry `BlockStored` with
 `medium="STORAGE"`, and the instances' `/metrics` show `vllm:dualpath_loaded_blocks_total`
 and `vllm:dualpath_saved_blocks_total` (the cluster started with `kv_events`).
 
-Standalone (its own 1P1D cluster): `.venv-vllm/bin/python benchmarks/vllm_pd_failover.py`;
-`vllm_pd_demo.py --failover` runs it on the demo's cluster (the P/D test does). Prints JSON.
+`vllm_pd_failover.py` runs it on a 1P1D cluster of its own, `vllm_pd_demo.py --failover` on the
+demo's cluster (the P/D test does).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -46,8 +44,8 @@ from typing import Any
 
 from dualpath.integrations.vllm.cluster import reaper
 from dualpath.integrations.vllm.cluster.launch import Instance, VllmCluster
-from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, VllmClusterSpec
 from dualpath.integrations.vllm.manifest import find_manifest
+from pd_kit.router import router as route_process
 
 MAX_TOKENS = 16
 NUM_PROMPTS = 4
@@ -230,16 +228,15 @@ def kill_under_load(cluster: VllmCluster, victim: Instance, router: str, model: 
 
 
 def failover_phase(cluster: VllmCluster, store: Path, model: str,
-                   prompts: list[list[int]], router_cm: Any) -> dict[str, Any]:
-    """Steps 1-4 of the module docstring; `router_cm(cluster, store, *flags)` starts a
-    `dualpath route` and yields its URL (the demo's `router`)."""
+                   prompts: list[list[int]]) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring, behind a `dualpath route` of its own."""
     reports: list[str] = []
     out: dict[str, Any] = {"block_size": find_manifest(store).block_size}
     cluster.supervise(lambda line: (reports.append(line),
                                     print(f"== supervisor: {line}", file=sys.stderr)),
                       restart=True)
     taps = {i.name: EventTap(i.kv_events) for i in cluster.instances if i.kv_events}
-    with router_cm(cluster, store, "--mode", "dualpath", "--poll-interval", "0.5",
+    with route_process(cluster, store, "--mode", "dualpath", "--poll-interval", "0.5",
                    "--queue-timeout", str(int(WAIT_S))) as router:
         ref = [complete(router, model, p) for p in prompts]
         out["reference_ok"] = all(r["ok"] for r in ref)
@@ -313,49 +310,3 @@ def checks(result: dict[str, Any]) -> dict[str, bool]:
 def shm_left(cluster_tag: str) -> list[str]:
     """`/dev/shm` entries named with the cluster's tag (`dp<launcher pid>.`)."""
     return sorted(p.name for p in reaper.SHM.iterdir() if cluster_tag in p.name)
-
-
-def chat_prompt(model: str) -> list[int]:
-    """The demo's first-turn chat prompt, as token ids."""
-    from dualpath.runtime.model.tokenizer import Tokenizer
-    from vllm_connector_demo import SYSTEM
-    from vllm_pd_demo import USER_1
-
-    text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{USER_1}<|im_end|>\n"
-            "<|im_start|>assistant\n")
-    return list(Tokenizer.from_folder(model).encode(text))
-
-
-def main() -> int:
-    from vllm_pd_demo import router
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    ap.add_argument("--model", help="an HF-style Llama folder (default: converted SmolLM2)")
-    ap.add_argument("--hosts", choices=HOST_MODES, default="loopback", help=HOSTS_HELP)
-    args = ap.parse_args()
-    if args.model is None:
-        from dualpath.runtime.model.weights import smollm2_folder
-
-        args.model = str(smollm2_folder())
-    with tempfile.TemporaryDirectory(prefix="dualpath-vllm-failover-") as tmp:
-        spec = VllmClusterSpec(model=args.model, store=Path(tmp) / "store",
-                               python=sys.executable, hosts=args.hosts, kv_events=True,
-                               extra_args=("--served-model-name", "smollm2"))
-        t = time.perf_counter()
-        with VllmCluster(spec) as cluster:
-            startup_s = round(time.perf_counter() - t, 1)
-            tag = cluster.instances[0].tag.split(".")[0] + "."
-            base = chat_prompt(args.model)
-            prompts = [[*base, 100 + k] for k in range(NUM_PROMPTS)]
-            result = failover_phase(cluster, spec.store, "smollm2", prompts, router)
-    result["startup_s"] = startup_s
-    result["total_s"] = round(time.perf_counter() - t, 1)
-    result["shm_left"] = shm_left(tag)
-    result["checks"] = {**checks(result),
-                        "failover: no shared memory of the cluster left": not result["shm_left"]}
-    print(json.dumps(result, indent=1))
-    return 0 if all(result["checks"].values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ path) per CPU second, CPU time per fetch, and ratios against baselines measured 
 process: the round-robin policies (cheapest possible choice rule) and, for one 384-engine PE
 group, a literal O(queue x engines) Algorithm 1.
 
-Run: `.venv/bin/python benchmarks/bench_sched.py` (about 20 s; `--repeats` to change).
+Run: `.venv/bin/python benchmarks/sim/bench_sched.py` (about 20 s; `--repeats` to change).
 """
 
 from __future__ import annotations

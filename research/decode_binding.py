@@ -2,13 +2,13 @@
 sequence cap (`max_seqs_per_decode_engine`), HBM, or the decode step time, and how the
 generation trend moves when the cap is lifted or changed.
 
-    python benchmarks/decode_binding.py [--gens 1,1.5,2,3] [--modes oracle,dualpath]
+    python research/decode_binding.py [--gens 1,1.5,2,3] [--modes oracle,dualpath]
         [--caps packaged,0,30] [--scales 1] [--agents 1024] [--mal 64k] [--csv PATH]
-    python benchmarks/decode_binding.py --objective --scales 1,1.2 --caps packaged,30,0
+    python research/decode_binding.py --objective --scales 1,1.2 --caps packaged,30,0
         [--gens 1,3] [--holds 0,6.5] [--cap-ats assign,decode] [--csv PATH]
 
 `--objective` evaluates, for each (k, cap), the calibration's objective as
-`experiments.calibrate.calibrate_setup` does (Oracle JCTs at its fit cells, log residuals
+`reproduce.calibrate.calibrate_setup` does (Oracle JCTs at its fit cells, log residuals
 against Fig. 7, RMS), the held-out 48K cells, and the Oracle generation trend at 64K 1,024
 agents (JCT at each `--gens` over that at 1x). Nothing is fitted or written. `--holds` adds
 `SimParams.decode_slot_hold_s` values (seconds a turn holds its DE seat and HBM at least,

@@ -8,7 +8,7 @@ packaged value). It prints the RMS log residual of the 32K and
 64K columns (the ones `reproduce calibrate` fits) and of the held-out 48K column, then each
 cell's residual.
 
-    python tools/oracle_fit_probe.py ds660b_2p4d --k 1.05 --cap 16
+    python research/oracle_fit_probe.py ds660b_2p4d --k 1.05 --cap 16
 """
 
 from __future__ import annotations

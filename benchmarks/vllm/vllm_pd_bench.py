@@ -23,7 +23,7 @@ folder); vLLM 0.32 refuses that tier on CPU (`stock.FS_ON_CPU_ERROR`), so the de
 `recompute`, is NIXL P/D alone: every turn-2 prompt recomputed. The JSON names the
 configuration that ran (`vllm_stock_config`).
 
-Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm_pd_bench.py [--agents 4]
+Run in the vLLM venv: `.venv-vllm/bin/python benchmarks/vllm/vllm_pd_bench.py [--agents 4]
 [--repeats 2] [--storage-read-gbps 0.1] [--loads async|sync] [--hosts loopback|netns]`
 (about 3 minutes on 2 cores). The defaults make the run storage-bound here: 4 agents x 7
 stored blocks (5.9 MB each, SmolLM2 fp32) through 0.1 Gb/s per node is 13 s of reads on one
@@ -50,7 +50,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The router process helpers the P/D examples use (examples/pd_kit).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from dualpath.integrations.vllm.cluster import stock
 from dualpath.integrations.vllm.cluster.launch import VllmCluster
@@ -62,7 +63,7 @@ from dualpath.integrations.vllm.cluster.spec import (
     VllmClusterSpec,
 )
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
-from vllm_pd_demo import router, stats
+from pd_kit.router import router, stats
 
 STOCK = "vllm-stock"
 FILLER = ("The storage cluster keeps every agent's key-value cache between turns, and each turn "

@@ -1,6 +1,6 @@
 """Figs. 13-14 probe (issue 26): why DualPath scheduling does not lower our storage-NIC Max/Avg.
 
-    python benchmarks/snic_balance.py --setup ds660b_2p4d --agents 1024 \
+    python research/snic_balance.py --setup ds660b_2p4d --agents 1024 \
         [--pd 2P4D] [--modes dual-path,dualpath] [--ties pe,de] [--rr-path queue|alternate|random]
 
 One JSON line per (tie side, mode): JCT, the storage-NIC traffic Max/Avg across machines per
@@ -137,7 +137,7 @@ def run(setup_name: str, p: int, d: int, mode: str, agents: int, tie: str,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--setup", required=True, help="an experiments.setups name")
+    ap.add_argument("--setup", required=True, help="a plan.setups name")
     ap.add_argument("--pd", default="", help="e.g. 1P2D (default: the setup's)")
     ap.add_argument("--agents", type=int, default=512)
     ap.add_argument("--modes", default="dual-path,dualpath")

@@ -1,7 +1,7 @@
 """The held-out cells of issue 26 under the packaged storage read model and under the
 3FS-derived `queued` form at the same fitted rate (`dualpath.core.read_rate`), side by side.
 
-    python benchmarks/storage_heldout.py --jobs 2 [--sets fig8,fig9,fig12,qwen] [--csv PATH]
+    python research/storage_heldout.py --jobs 2 [--sets fig8,fig9,fig12,qwen] [--csv PATH]
         [--log RUNS.jsonl]
 
 The simulator sees one read rate per storage NIC, that of the model's Full Block, so each form

@@ -15,7 +15,8 @@ Two block sizes: SmolLM2-135M's fp32 Full Block of 64 tokens (30 layers x 64 x 1
 - the headroom against the emulated storage NIC of the `cpu-emulated` preset (200 MiB/s): the
   store must not be what limits a node's storage reads.
 
-Run: `.venv/bin/python benchmarks/bench_store.py` (about 20 s; `--repeats`, `--mib` to change).
+Run: `.venv/bin/python benchmarks/runtime/bench_store.py` (about 20 s; `--repeats`, `--mib` to
+change).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.store import BlockStore
 from dualpath.runtime.kvlayout import KVLayout
+from dualpath.store import BlockStore
 
 GB = 10**9
 

@@ -4,7 +4,7 @@ Runs DeepSeek-V3.2 on 2P4D (h800-deepseek), Table-2 64K trajectories, offline, i
 mode and, as the in-process baseline, in `oracle` mode (no I/O flows: what the event loop,
 scheduler calls and decode epochs cost alone). Reports medians over repeats.
 
-    python benchmarks/bench_sim.py [--agents 128] [--repeats 3]
+    python benchmarks/sim/bench_sim.py [--agents 128] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Issue 26 probe: does a bound on each request's own storage reads explain why the paper's
 DualPath is slower than ours where storage is not saturated?
 
-    python benchmarks/read_streams.py --jobs 2 [--sets ds27b,ds660b,qwen,fig8]
+    python research/read_streams.py --jobs 2 [--sets ds27b,ds660b,qwen,fig8]
         [--agents 512,1024] [--streams 1,4] [--log RUNS.jsonl]
 
 Each cell runs three ways (`dualpath.sim.SimParams`):

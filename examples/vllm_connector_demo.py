@@ -15,7 +15,7 @@ Pass: the greedy tokens of both turns are identical across the two instances (an
 corrupted rerun), turn 2 reports its stored tokens as cached, the event log shows the loads
 and the one load error. Prints a JSON summary and exits non-zero on a failed check.
 
-Run (in the vLLM venv, `make vllm-setup`): `.venv-vllm/bin/python benchmarks/vllm_connector_demo.py`
+Run (in the vLLM venv, `make vllm-setup`): `.venv-vllm/bin/python examples/vllm_connector_demo.py`
 (about 3-4 minutes on 2 CPU cores: mostly two vLLM start-ups).
 """
 
@@ -31,18 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEM = (
-    "You are a patient assistant for a team of storage engineers. They run a cluster of "
-    "inference servers whose key-value caches are kept on a distributed file system between "
-    "the turns of long agent conversations. Answer in plain prose, with short paragraphs, "
-    "and explain each step of your reasoning. When a question is about performance, name "
-    "the resource that limits it (compute, memory bandwidth, network or storage) and say "
-    "why. When a question is ambiguous, state the assumption you make before answering. "
-    "The engineers know the hardware well: each node has eight accelerators, a compute "
-    "network for moving activations and caches between nodes, and a separate storage "
-    "network whose bandwidth is often idle on the decode nodes while it is saturated on the "
-    "prefill nodes. Prefer concrete numbers to adjectives, and say when a number is a guess."
-)
+from pd_kit.prompts import SYSTEM
+
 USER_1 = "Explain in detail why reading a cached prefix from storage can be faster than " \
          "recomputing it on the GPU."
 USER_2 = "Now summarise that answer in two sentences."
@@ -104,7 +94,7 @@ def run_phase(phase: str, model: str, store: Path, out: Path, args: argparse.Nam
     out1, cached1, s1 = generate(p1, TURN1_TOKENS)
     p2 = turn2_prompt(tok, p1, out1)
     if phase == "connector":
-        from dualpath.core.store import BlockStore
+        from dualpath.store import BlockStore
 
         init = json.loads(events.read_text().splitlines()[0])
         bs, namespace = int(init["block_size"]), bytes.fromhex(init["namespace"])

@@ -20,49 +20,39 @@ the read path forced per request:
    a chat conversation's turn 2 in `basic` (PE path) and with `--force-read-side de` gives the
    same reply; two concurrent turn-2 requests in `dualpath` mode: the second, arriving while
    the first's PE-side read is queued, takes the DE path (the shorter read queue);
-9. with `--failover`, issue 28's kill test on the same cluster (`vllm_pd_failover.py`): the
+9. with `--failover`, the kill test on the same cluster (`pd_kit/failover.py`): the
    decode server, then the prefill server SIGKILLed under load behind the router and
    restarted; every request not yet streaming gets the tokens of a run without the kill.
 
 Pass: every turn-2 reply equals the reference token for token (greedy), the cached-token counts
 and the connectors' event logs show where each block came from. Prints JSON; non-zero exit on a
 failed check. Run in the vLLM venv (`make vllm-setup`): `.venv-vllm/bin/python
-benchmarks/vllm_pd_demo.py` (a few minutes on 2 cores, mostly the two servers' start-up).
+examples/vllm_pd_demo.py` (a few minutes on 2 cores, mostly the two servers' start-up).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from dualpath.core.blocks import block_keys
-from dualpath.core.store import BlockStore
 from dualpath.integrations.vllm.cluster.launch import Instance, VllmCluster
 from dualpath.integrations.vllm.cluster.spec import HOST_MODES, HOSTS_HELP, VllmClusterSpec
 from dualpath.integrations.vllm.manifest import RouteParams, find_manifest
 from dualpath.runtime.model.tokenizer import Tokenizer
-from vllm_connector_demo import SYSTEM  # the same long system prompt (2 blocks with a reply)
-from vllm_pd_failover import NUM_PROMPTS, failover_phase, shm_left
-from vllm_pd_failover import checks as failover_checks
-
-USER_1 = "Explain why reading a cached prefix from storage can be faster than recomputing it."
-USER_2 = "Now summarise that answer in two sentences."
-REPO = Path(__file__).resolve().parents[1]
-ROUTER_PYTHON = str(REPO / ".venv" / "bin" / "python") \
-    if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
-"""`dualpath route` runs in the main venv (`make setup`; the vLLM venv lacks dualpath's own
-dependencies such as matplotlib); the vLLM servers run in this one."""
+from dualpath.store import BlockStore
+from pd_kit.failover import NUM_PROMPTS, failover_phase, shm_left
+from pd_kit.failover import checks as failover_checks
+from pd_kit.prompts import SYSTEM, USER_1, USER_2
+from pd_kit.router import router, stats
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -107,41 +97,6 @@ def pd_turn(cluster: VllmCluster, model: str, prompt: list[int], max_tokens: int
     return {"out": token_ids(second), "prefill_cached": cached(first),
             "decode_cached": cached(second), "returned_params": back,
             "prefill_s": round(t1 - t0, 2), "total_s": round(t2 - t0, 2)}
-
-
-@contextmanager
-def router(cluster: VllmCluster, store: Path, *flags: str) -> Iterator[str]:
-    """A `dualpath route` process over the cluster; yields its base URL."""
-    from dualpath.integrations.vllm.cluster.ports import free_port
-
-    port = free_port()
-    cmd = [ROUTER_PYTHON, "-m", "dualpath.cli.main", "route", "--store", str(store),
-           "--port", str(port), "--poll-interval", "2", *flags]
-    for inst in cluster.prefill:
-        cmd += ["--prefill", inst.url]
-    for inst in cluster.decode:
-        cmd += ["--decode", inst.url, "--side", str(inst.side_channel)]
-    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"dualpath route exited with {proc.returncode}") from None
-                time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/stats", timeout=10) as r:
-        out: dict[str, Any] = json.loads(r.read())
-    return out
 
 
 def router_phase(cluster: VllmCluster, store: Path, model: str) -> dict[str, Any]:
@@ -256,7 +211,7 @@ def main() -> int:
             if args.failover:
                 t = time.perf_counter()
                 failover = failover_phase(cluster, spec.store, model,
-                                          [[*p2, 100 + k] for k in range(NUM_PROMPTS)], router)
+                                          [[*p2, 100 + k] for k in range(NUM_PROMPTS)])
                 failover["wall_s"] = round(time.perf_counter() - t, 1)
     shm = shm_left(tag)
     ref = runs["recompute"]["out"]

@@ -11,10 +11,10 @@ NIC rates, engines, engine memory, block size, quota, beta).
 
 Goal (issue 31): each speedup over Basic within 10%, each JCT within 20%.
 
-Run: `.venv/bin/python benchmarks/sim_vs_real.py` (about 3.5 minutes per repeat on 2 cores;
+Run: `.venv/bin/python benchmarks/compare/sim_vs_real.py` (about 3.5 minutes per repeat on 2 cores;
 `--repeats`, `--agents`, `--modes`, `--profile`, `--out`).
 
-`--vllm PROFILE` runs the vLLM half instead: `benchmarks/vllm_pd_bench.py` (1P1D unless
+`--vllm PROFILE` runs the vLLM half instead: `benchmarks/vllm/vllm_pd_bench.py` (1P1D unless
 `--prefill` / `--decode`; its defaults: 4 agents whose turn 2 reads 7 stored blocks through
 emulated 0.1 Gb/s storage NICs, all sent at once, background loads; medians of its repeats) in
 `.venv-vllm`, against `dualpath simulate`'s engine on the vLLM profile (`dualpath profile
@@ -56,9 +56,10 @@ def _dualpath(args: list[str]) -> str:
 
 def _bench_prompt_tokens(agent: str, filler: int) -> int:
     """Tokens of `vllm_pd_bench.py`'s turn-2 prompt for `agent` (ChatML, an 8-token reply)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dualpath.runtime.model.weights import load_tokenizer, smollm2_folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
     from vllm_pd_bench import system_prompt
+
+    from dualpath.runtime.model.weights import load_tokenizer, smollm2_folder
 
     tok = load_tokenizer(smollm2_folder())
     text = (f"<|im_start|>system\n{system_prompt(agent, filler)}<|im_end|>\n"
@@ -76,7 +77,7 @@ def vllm_half(args: argparse.Namespace) -> int:
 
     prof = load_profile(args.vllm)
     vllm_py = Path(".venv-vllm/bin/python")
-    cmd = [str(vllm_py), str(Path(__file__).resolve().parent / "vllm_pd_bench.py"),
+    cmd = [str(vllm_py), str(Path(__file__).resolve().parents[1] / "vllm" / "vllm_pd_bench.py"),
            "--agents", str(args.agents), "--repeats", str(args.repeats),
            "--prefill", str(args.prefill), "--decode", str(args.decode),
            "--storage-read-gbps", f"{prof.run['storage_nic_bytes_per_s'] * 8 / 1e9:g}"]

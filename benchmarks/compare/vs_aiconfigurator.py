@@ -25,8 +25,8 @@ on the same model, GPUs, lengths and SLO (issue 31, deliver 5).
    GPUs and SLO, on its own workload: the Table-2 agent trajectories of `--trace` (32K: mean
    context 17K tokens, append 608, generate 148 per turn), not AIConfigurator's fixed shape.
 
-Run: `.venv/bin/python benchmarks/vs_aiconfigurator.py` (about 3 minutes on 2 cores, of which
-AIConfigurator 15-90 s and advise most of the rest; `--aic-output FILE` parses a saved
+Run: `.venv/bin/python benchmarks/compare/vs_aiconfigurator.py` (about 3 minutes on 2 cores, of
+which AIConfigurator 15-90 s and advise most of the rest; `--aic-output FILE` parses a saved
 AIConfigurator output instead of running it).
 """
 
@@ -57,7 +57,7 @@ from dualpath.plan.section import Context
 from dualpath.plan.setups import setup
 from dualpath.sim import Driver, SimConfig, SimParams, SimResult, Workload, mode_preset, simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AIC_VENV = REPO / ".venv-aic"
 AIC_PIN = "aiconfigurator==0.12.0"
 AIC_INSTALL = f"python3 -m venv {AIC_VENV.name} && {AIC_VENV.name}/bin/pip install {AIC_PIN}"

@@ -1,7 +1,7 @@
 """Which work sets the Oracle's Fig. 9 trends (issue 26): a least-squares reading of the JCT
 ratios against the workload's own ratios, ours beside the paper's.
 
-    python benchmarks/fig9_work_mix.py [--csv docs/reproduction/full/fig9_1024/fig9.csv]
+    python research/fig9_work_mix.py [--csv docs/reproduction/full/fig9_1024/fig9.csv]
         [--append3 1.0]
 
 Scaling the append or generation lengths and truncating at the 64K MAL changes three totals of

@@ -1,7 +1,7 @@
 """JCT at 1x and 3x generation, and their ratio, with `SimParams.decode_slot_hold_s` and a
 sequence cap, DS 660B 2P4D 64K 1,024 agents (issue 26, Fig. 9 right):
 
-    python benchmarks/decode_hold_modes.py HOLD_S CAP MODE[,MODE]
+    python research/decode_hold_modes.py HOLD_S CAP MODE[,MODE]
 """
 
 from __future__ import annotations

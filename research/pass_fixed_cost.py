@@ -1,13 +1,13 @@
 """Fig. 3's prefill batching shape in the cost model, as a probe (issue 26): does a prefill pass
 whose fixed cost is what the paper's Fig. 3 implies change the held-out trends?
 
-    python benchmarks/pass_fixed_cost.py --jobs 2 [--setup ds660b_2p4d] [--x 2.7 |
+    python research/pass_fixed_cost.py --jobs 2 [--setup ds660b_2p4d] [--x 2.7 |
         --prefill-scale S]
         [--sets fig7,fig8,fig9,fig12] [--storage-read calibrated|queued[:C]|...] [--log RUNS.jsonl]
 
 The paper's Fig. 3 (right: relative token throughput of one prefill pass of b requests, each
 30K cached + 300 appended tokens) implies a pass's fixed cost F about 2.7 times one request's
-work v (`experiments.checks.fit_fixed_over_var`); our packaged cost model has F/v = 0.20 for
+work v (`reproduce.checks.fit_fixed_over_var`); our packaged cost model has F/v = 0.20 for
 DeepSeek-V3.2 and 0.67 for DS 27B (section `fig3`). The probe:
 
 1. adds to `per_step_overhead_s` what makes one engine's pass at Fig. 3's point have

@@ -1,8 +1,8 @@
 """Simulator identity check: record, then compare, every run's per-request CSV, a full-precision
 hash of its records and its summary JSON over a fixed set of small configurations.
 
-    python benchmarks/check_sim_identity.py record /tmp/simref   # before a change
-    python benchmarks/check_sim_identity.py check /tmp/simref    # after: exit 1 on any diff
+    python benchmarks/sim/check_sim_identity.py record /tmp/simref   # before a change
+    python benchmarks/sim/check_sim_identity.py check /tmp/simref    # after: exit 1 on any diff
 
 A performance change to `dualpath.sim` or `dualpath.sched` must leave every output identical.
 `--large` adds two runs the fixed set does not reach (about 40 s compiled): 48P96D, where
@@ -31,7 +31,7 @@ from dualpath.sim import Driver, SimConfig, SimResult, Workload, simulate
 from dualpath.sim.workload import agent_workload
 from dualpath.workload.mooncake import load_mooncake
 
-FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "mooncake_excerpt.jsonl"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "mooncake_excerpt.jsonl"
 
 
 def _configs(large: bool = False) -> Iterator[tuple[str, SimConfig]]:

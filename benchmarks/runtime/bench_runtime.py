@@ -23,8 +23,8 @@ per-Layer-Block transfer overhead with and without doorbell batching, and tokens
    storage NIC 2 MiB/s, 8 agents whose 2nd and 3rd turns hit ~1000 tokens) in modes basic, dualpath
    and oracle (node threads): JCT, tokens/s, and the speedups.
 
-Medians over `--repeats` after a warm-up. Run: `.venv/bin/python benchmarks/bench_runtime.py`
-(about 60 s on 2 cores).
+Medians over `--repeats` after a warm-up. Run:
+`.venv/bin/python benchmarks/runtime/bench_runtime.py` (about 60 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from pathlib import Path
 
 from dualpath.core.blocks import block_key
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.store import BlockStore
 from dualpath.runtime.agent_replay import agents_from_lengths, replay
 from dualpath.runtime.emulated_cluster import Cluster
 from dualpath.runtime.kvlayout import KVLayout
@@ -50,6 +49,7 @@ from dualpath.runtime.run_config import RunConfig
 from dualpath.runtime.storage_io import reader_loop
 from dualpath.runtime.traffic import NodeNics, TrafficManager
 from dualpath.runtime.transfer import make_transfer_engine
+from dualpath.store import BlockStore
 from dualpath.transport.nixl import is_nixl_available
 from dualpath.transport.slots import SlotPool
 

@@ -3,7 +3,7 @@ per step, how many of the group's engines had ready work, each one's estimated a
 against the compute quota, and the step's attention Max/Avg over the engines that ran (the
 metric `SimResult.attention_ran_max_over_avg_first5` averages).
 
-    python benchmarks/attention_steps.py [--setup ds660b_2p4d] [--agents 2048]
+    python research/attention_steps.py [--setup ds660b_2p4d] [--agents 2048]
         [--mode dualpath] [--mal 64k] [--first-share 0.05] [--cost NAME=VALUE ...]
         [--decode-cap-at assign|decode]
 

@@ -1,6 +1,6 @@
 """Workload benchmarks: generator, turn table, loaders. Medians over repeats, ratios vs baselines.
 
-Run: `python benchmarks/bench_workload.py` (about 10 s on 2 cores). Each line prints
+Run: `python benchmarks/sim/bench_workload.py` (about 10 s on 2 cores). Each line prints
 ours / baseline: below 1 is faster than the baseline; loaders are compared with bare JSON
 parsing, so their ratio is the cost of strict validation (and of hit computation).
 
@@ -30,7 +30,7 @@ from dualpath.workload.stats import table2_stats
 from dualpath.workload.synthetic import SyntheticParams, generate, generate_table, preset
 from dualpath.workload.trajectory import Trajectory, TurnTable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FULL_TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 EXCERPT = ROOT / "tests" / "fixtures" / "mooncake_excerpt.jsonl"
 REPEATS = 5

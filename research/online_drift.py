@@ -1,8 +1,8 @@
 """How an online run's TTFT moves over its length, and how each judgement reads it (issue 26):
 the mean TTFT of the prefills completed in each sixth of the run, the old judgement (means over
-turns arriving after the first third) and the steady-state one (`experiments.online.steady_point`).
+turns arriving after the first third) and the steady-state one (`plan.capacity.steady_point`).
 
-    python benchmarks/online_drift.py [--setup ds660b_2p4d] [--mode basic] [--aps 0.3]
+    python research/online_drift.py [--setup ds660b_2p4d] [--mode basic] [--aps 0.3]
         [--duration 7200] [--mal 64k]
 
 One full-size online run (DS 660B Basic at 0.3 APS over 7,200 s: about a minute here).
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=7200.0, help="simulated seconds at most")
     ap.add_argument("--mal", default="64k")
     args = ap.parse_args(argv)
-    agents = math.ceil(args.aps * args.duration * 1.2) + 8  # as experiments.online
+    agents = math.ceil(args.aps * args.duration * 1.2) + 8  # as plan.capacity
     r, wall = _simulate(RunSpec(args.setup, args.mode, agents, args.mal, aps=args.aps,
                                 max_duration_s=args.duration))
     arr, pf = r.col("arrive_s"), r.col("prefill_done_s")

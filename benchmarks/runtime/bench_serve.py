@@ -19,7 +19,7 @@ Last, the API's own cost: the same short greedy requests one at a time, through
 `ServingEngine.generate` (the baseline) and through HTTP with SSE, in Oracle mode (no emulated
 NIC paces them); medians and their ratio.
 
-Run: `.venv/bin/python benchmarks/bench_serve.py` (about a minute and a half on 2 cores).
+Run: `.venv/bin/python benchmarks/runtime/bench_serve.py` (about a minute and a half on 2 cores).
 """
 
 from __future__ import annotations

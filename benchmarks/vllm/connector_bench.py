@@ -31,7 +31,7 @@ same bytes in 1/g of the files; a row per g, and the stored-prefix count per g. 
 save` adds the save path (`KVWorker.capture` and `flush` into a durable store: a temp file,
 an fsync and a rename per file).
 
-Run: `.venv/bin/python benchmarks/connector_bench.py` (about a minute at 1 GB; `--gb`,
+Run: `.venv/bin/python benchmarks/vllm/connector_bench.py` (about a minute at 1 GB; `--gb`,
 `--repeats`, `--block-tokens`, `--blocks-per-file`, `--tp`, `--paths`).
 """
 
@@ -61,13 +61,14 @@ import crc32c
 import torch
 
 from dualpath.core.blocks import block_keys, max_hit_blocks
-from dualpath.core.store import CRC_RELEASE_GIL_BYTES, HEADER_BYTES, BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.remote import STAGE_PIECES
 from dualpath.integrations.vllm.manifest import StoreManifest
-from dualpath.integrations.vllm.router.app import STAT_THREADS, parse_vllm_metrics
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
+from dualpath.integrations.vllm.router.router import STAT_THREADS
+from dualpath.integrations.vllm.router.scrape import parse_vllm_metrics
+from dualpath.store import CRC_RELEASE_GIL_BYTES, HEADER_BYTES, BlockStore
 
 GB = 10**9
 NFS_STAT_S = 0.0002
@@ -570,7 +571,7 @@ def main() -> int:
                     "(loads staged in pinned memory, NIXL pulls into VRAM) (default: "
                     "%(default)s)")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON "
-                    "line (for benchmarks/gpu_check.py)")
+                    "line (for benchmarks/vllm/gpu_check/gpu_check.py)")
     ap.add_argument("--read-threads", type=int, default=16, help="the PE path's parallel "
                     "store reads (KVWorker read_threads) (default: %(default)s)")
     ap.add_argument("--stage-threads", default="16", help="DE path: the staging service's "
