@@ -1,30 +1,53 @@
-"""A stand-in vLLM instance in a process of its own, that a test can SIGKILL mid-request.
+"""Stand-in vLLM instances: one asyncio process serving any number of ports, each port one
+instance, cheap enough for a thousand of them on a laptop's cores. The router's tests run one
+per process (a test SIGKILLs it mid-request, as a crashing server would be killed); the
+router's scale benchmark runs a node's worth of instances per process.
 
-The endpoints the router uses (`/health`, `/metrics`, `/tokenize`, `/v1/completions`,
-`/v1/chat/completions`), one token per prompt character, replies that depend only on the
-prompt (so a retried request must get the same text), streams in HTTP/1.1 chunks (a process
-killed mid-stream leaves an incomplete chunked body, as a dying vLLM server does). Every
-request received is appended to `--log` as a JSON line, and a held request logs "hold" before
-it waits, so the test knows when to kill.
+Each instance answers the endpoints the router uses (`/health`, `/metrics`, `/tokenize`,
+`/v1/completions`, `/v1/chat/completions`, `/v1/models`). A text prompt is one token per
+character; a reply depends only on the prompt (so a retried request gets the same text) and
+names the token ids it "generated" (`token_ids`), which an agent appends to its context.
+Streams go out in HTTP/1.1 chunks (a process killed mid-stream leaves an incomplete chunked
+body, as a dying vLLM server does). With `--log` every request received is appended to the
+file as a JSON line, and a held request logs "hold" before it waits, so a test knows when to
+kill. With `--store`, the instance publishes the store's manifest as a connector does and a
+decode instance saves its prompt's full files, as the decode connector persists the prompt's
+KV; `--report-to` pushes the instances' state to a router (`integrations.vllm.reports`).
 
-    python fake_instance.py --port P --log FILE [--hold prefill|decode|stream] [--recompute N]
+Service times (`--prefill-ms`, `--decode-ms`) are sleeps, so one process serves any number
+of requests at once. A reply's `standin_us` (in the prefill reply's `kv_transfer_params`,
+then summed in the decode reply) is the time the instances held the request, from its body
+read to its reply written: a client subtracts it to get the router's added latency.
+
+    python fake_instance.py --port P [--port P2 ...] | --ports N  [--log FILE]
+        [--hold prefill|decode|stream] [--recompute N] [--prefill-ms MS] [--decode-ms MS]
+        [--store DIR --namespace HEX --block-size N --blocks-per-file G --model NAME]
+        [--kv-blocks N] [--report-to URL --node NAME --report-interval S]
+
+With `--ports N` it binds N free ports and prints them, one JSON list on one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import hashlib
 import json
-import threading
+import signal
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 HOLD_S = 60.0
 """How long a held request waits (the test kills the process long before)."""
+VOCAB = 50_000
 
 
-def reply_text(prompt: str) -> str:
+def reply_text(prompt: str | list[int]) -> str:
     """What this fake 'generates' for a prompt: a function of the prompt alone."""
+    if isinstance(prompt, list):
+        return "re:" + ",".join(str(t) for t in prompt[::-1][:3])
     return "re:" + prompt[::-1][:12]
 
 
@@ -33,116 +56,278 @@ def stream_words(prompt: str) -> list[str]:
     return [text[:4], text[4:]]
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: FakeServer
+def generated_ids(prompt: list[int], num_tokens: int) -> list[int]:
+    """The token ids this fake 'generates' after `prompt`: a function of the prompt alone."""
+    seed = hashlib.blake2b(repr((len(prompt), prompt[-8:])).encode(), digest_size=8)
+    x = int.from_bytes(seed.digest(), "little")
+    out = []
+    for _ in range(num_tokens):
+        x = (x * 6364136223846793005 + 1442695040888963407) % 2**64
+        out.append((x >> 33) % VOCAB)
+    return out
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        return
 
-    def _record(self, record: dict[str, Any]) -> None:
-        with self.server.lock, open(self.server.log, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+def prompt_of(body: dict[str, Any]) -> str | list[int]:
+    if "prompt" in body:
+        prompt: str | list[int] = body["prompt"]
+        return prompt
+    return "".join(m["content"] for m in body["messages"])
 
-    def _json(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._json(200, {})
-        elif self.path == "/metrics":
-            data = b""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            self.wfile.write(data)
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
-        else:
-            self._json(404, {"error": "no route"})
+def token_ids(prompt: str | list[int]) -> list[int]:
+    return [ord(c) for c in prompt] if isinstance(prompt, str) else prompt
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        trace = self.headers.get("X-Request-Id")
-        self._record({"path": self.path, "body": body, "trace": trace})
-        if self.path == "/tokenize":
-            text = body["prompt"] if "prompt" in body else "".join(
-                m["content"] for m in body["messages"])
-            self._json(200, {"tokens": [ord(c) for c in text], "count": len(text)})
+
+class Saver:
+    """What a decode connector persists of a prompt: its full store files, under their keys
+    (`StoreManifest.stored_key` of each file's last block), once."""
+
+    def __init__(self, store: Path, manifest: Any) -> None:
+        from dualpath.store import BlockStore
+        self.manifest = manifest
+        self.blocks = BlockStore(store, manifest.file_bytes, is_durable=False)
+        self.saved: set[bytes] = set()
+        self.payload = bytes(manifest.file_bytes)
+
+    def save(self, tokens: list[int]) -> int:
+        from dualpath.core.blocks import block_keys
+        m = self.manifest
+        keys = block_keys(tokens, m.block_size, m.namespace_bytes)
+        g = m.blocks_per_file
+        num = 0
+        for key in keys[g - 1::g]:
+            stored = m.stored_key(key)
+            if stored not in self.saved:
+                self.blocks.put(stored, self.payload)
+                self.saved.add(stored)
+                num += 1
+        return num
+
+
+class Instance:
+    """One port's instance: its requests in flight and its counters."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.running = 0
+        self.num_requests = 0
+        self.decode_tokens = 0
+        """Prompt tokens of the decode requests in flight (what their KV holds)."""
+
+
+class Fleet:
+    """The instances of this process and what they share: the options, the log, the saver."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log = args.log
+        self.saver: Saver | None = None
+        if args.store:
+            from dualpath.integrations.vllm.manifest import StoreManifest
+            manifest = StoreManifest(namespace=args.namespace, model=args.model,
+                                     block_size=args.block_size,
+                                     full_block_bytes=args.block_bytes,
+                                     blocks_per_file=args.blocks_per_file)
+            manifest.write(args.store)
+            self.saver = Saver(Path(args.store), manifest)
+        self.instances: dict[int, Instance] = {}
+        self.servers: list[asyncio.Server] = []
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.log:
+            with open(self.log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    async def hold(self, where: str, port: int) -> None:
+        if self.args.hold == where:
+            self.record({"hold": where, "port": port})
+            await asyncio.sleep(HOLD_S)
+
+    def metrics_page(self, inst: Instance) -> bytes:
+        kv_blocks = self.args.kv_blocks
+        if not kv_blocks:
+            return b""
+        bs = self.args.block_size
+        usage = min(1.0, inst.decode_tokens / (kv_blocks * bs))
+        return (f"# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{engine="0",model_name="m"}} {inst.running}.0\n'
+                f'vllm:num_requests_waiting{{engine="0",model_name="m"}} 0.0\n'
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {usage}\n'
+                f'vllm:cache_config_info{{block_size="{bs}",engine="0",'
+                f'num_gpu_blocks="{kv_blocks}"}} 1.0\n').encode()
+
+    # -- HTTP ------------------------------------------------------------------------------
+    async def serve(self, port: int) -> int:
+        """Listen on `port` (0: a free one) as one instance; returns the port."""
+        server = await asyncio.start_server(
+            lambda r, w: self.connection(r, w, inst), "127.0.0.1", port, reuse_address=True,
+            backlog=1024)
+        bound = server.sockets[0].getsockname()[1]
+        inst = Instance(bound)
+        self.instances[bound] = inst
+        self.servers.append(server)
+        return int(bound)
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         inst: Instance) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError,
+                                 asyncio.LimitOverrunError, asyncio.CancelledError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line, *lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = line.split(" ", 2)
+                headers = {}
+                for x in lines:
+                    if x:
+                        k, _, v = x.partition(":")
+                        headers[k.strip().lower()] = v.strip()
+                length = int(headers.get("content-length", "0"))
+                data = await reader.readexactly(length) if length else b""
+                await self.handle(inst, method, path, headers, data, writer)
+        writer.close()
+
+    @staticmethod
+    def reply(writer: asyncio.StreamWriter, status: int, body: Any,
+              content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        reason = {200: "OK", 404: "Not Found"}.get(status, "")
+        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+    async def handle(self, inst: Instance, method: str, path: str, headers: dict[str, str],
+                     data: bytes, writer: asyncio.StreamWriter) -> None:
+        if method == "GET":
+            if path == "/health":
+                self.reply(writer, 200, {})
+            elif path == "/metrics":
+                self.reply(writer, 200, self.metrics_page(inst), "text/plain")
+            elif path == "/v1/models":
+                self.reply(writer, 200, {"object": "list",
+                                         "data": [{"id": "m", "object": "model"}]})
+            else:
+                self.reply(writer, 404, {"error": "no route"})
             return
-        prompt = body["prompt"] if "prompt" in body else "".join(
-            m["content"] for m in body["messages"])
+        began = time.perf_counter()
+        body = json.loads(data)
+        self.record({"path": path, "body": body, "trace": headers.get("x-request-id"),
+                     "port": inst.port})
+        prompt = prompt_of(body)
+        if path == "/tokenize":
+            text = prompt if isinstance(prompt, str) else ""
+            self.reply(writer, 200, {"tokens": [ord(c) for c in text], "count": len(text)})
+            return
         params = (body.get("kv_transfer_params") or {}).get("dualpath")
-        if params is not None and body.get("max_tokens") == 1:  # the prefill step
-            self._hold("prefill")
-            # What a connector reports it loaded: the plan, less the last `--recompute`
-            # blocks (a failed load recomputes from that block on).
-            hit, pe = params["hit_blocks"], params["pe_blocks"]
-            ok = max(hit - self.server.recompute, 0)
-            loads = {"pe_blocks": min(pe, ok), "de_blocks": max(ok - pe, 0),
-                     "recomputed_blocks": hit - ok}
-            self._json(200, {"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
-                "dualpath": {**params, "tokens": len(prompt), "loads": loads}}})
-            return
-        self._hold("decode")
+        inst.num_requests += 1
+        inst.running += 1
+        try:
+            if params is not None and body.get("max_tokens") == 1:  # the prefill step
+                await self.prefill(inst, body, params, prompt, began, writer)
+            else:
+                await self.decode(inst, body, params, prompt, began, writer)
+        finally:
+            inst.running -= 1
+
+    async def prefill(self, inst: Instance, body: dict[str, Any], params: dict[str, Any],
+                      prompt: str | list[int], began: float,
+                      writer: asyncio.StreamWriter) -> None:
+        await self.hold("prefill", inst.port)
+        if self.args.prefill_ms:
+            await asyncio.sleep(self.args.prefill_ms / 1e3)
+        # What a connector reports it loaded: the plan, less the last `--recompute` blocks
+        # (a failed load recomputes from that block on).
+        hit, pe = params["hit_blocks"], params["pe_blocks"]
+        ok = max(hit - self.args.recompute, 0)
+        loads = {"pe_blocks": min(pe, ok), "de_blocks": max(ok - pe, 0),
+                 "recomputed_blocks": hit - ok}
+        held_us = (time.perf_counter() - began) * 1e6
+        self.reply(writer, 200, {"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": {
+            "dualpath": {**params, "tokens": len(prompt), "loads": loads,
+                         "standin_us": held_us}}})
+
+    async def decode(self, inst: Instance, body: dict[str, Any], params: dict[str, Any] | None,
+                     prompt: str | list[int], began: float,
+                     writer: asyncio.StreamWriter) -> None:
+        ids = token_ids(prompt)
+        inst.decode_tokens += len(ids)
+        try:
+            await self.hold("decode", inst.port)
+            if self.args.decode_ms:
+                await asyncio.sleep(self.args.decode_ms / 1e3)
+            num_gen = body.get("max_tokens") or 2
+            gen = generated_ids(ids, num_gen) if isinstance(prompt, list) else []
+            if self.saver is not None and isinstance(prompt, list):
+                self.saver.save(ids + gen)
+        finally:
+            inst.decode_tokens -= len(ids)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 2,
                  "total_tokens": len(prompt) + 2,
                  "prompt_tokens_details": {"cached_tokens": len(prompt) - 1}}
         if not body.get("stream"):
-            self._json(200, {"id": "d", "choices": [{"text": reply_text(prompt)}],
-                             "usage": usage, "seen": body})
+            reply: dict[str, Any] = {"id": "d", "choices": [{"text": reply_text(prompt)}],
+                                     "usage": usage}
+            if gen:
+                reply["choices"][0]["token_ids"] = gen
+                prefill_us = (params or {}).get("standin_us", 0.0)
+                reply["standin_us"] = prefill_us + (time.perf_counter() - began) * 1e6
+            else:
+                reply["seen"] = body
+            self.reply(writer, 200, reply)
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for k, word in enumerate(stream_words(prompt)):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for k, word in enumerate(stream_words(prompt if isinstance(prompt, str) else "")):
             if k == 1:
-                self._hold("stream")
-            self._chunk(f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n")
+                await self.hold("stream", inst.port)
+            await self.chunk(writer, "data: " + json.dumps(
+                {"choices": [{"delta": {"content": word}}]}) + "\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            self._chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n")
-        self._chunk("data: [DONE]\n\n")
-        self.wfile.write(b"0\r\n\r\n")
+            await self.chunk(writer, f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n")
+        await self.chunk(writer, "data: [DONE]\n\n")
+        writer.write(b"0\r\n\r\n")
 
-    def _chunk(self, text: str) -> None:
+    @staticmethod
+    async def chunk(writer: asyncio.StreamWriter, text: str) -> None:
         data = text.encode()
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
-
-    def _hold(self, where: str) -> None:
-        if self.server.hold == where:
-            self._record({"hold": where})
-            time.sleep(HOLD_S)
+        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
 
 
-class FakeServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, port: int, log: str, hold: str | None, recompute: int = 0) -> None:
-        super().__init__(("127.0.0.1", port), Handler)
-        self.log = log
-        self.hold = hold
-        self.recompute = recompute
-        self.lock = threading.Lock()
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--log", required=True)
+    ports = ap.add_mutually_exclusive_group(required=True)
+    ports.add_argument("--port", type=int, action="append", help="serve an instance on it")
+    ports.add_argument("--ports", type=int, help="serve N instances on free ports")
+    ap.add_argument("--log", help="append every request received to this file")
     ap.add_argument("--hold", choices=("prefill", "decode", "stream"))
     ap.add_argument("--recompute", type=int, default=0, help="report the last N hit blocks "
                     "recomputed, not loaded")
-    args = ap.parse_args()
-    FakeServer(args.port, args.log, args.hold, args.recompute).serve_forever()
+    ap.add_argument("--prefill-ms", type=float, default=0.0)
+    ap.add_argument("--decode-ms", type=float, default=0.0)
+    ap.add_argument("--store", help="the block store: publish its manifest, save prompts")
+    ap.add_argument("--namespace", default="ab" * 16)
+    ap.add_argument("--model", default="m")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-bytes", type=int, default=64)
+    ap.add_argument("--blocks-per-file", type=int, default=1)
+    ap.add_argument("--kv-blocks", type=int, default=0, help="KV capacity shown on /metrics "
+                    "(0: none shown)")
+    return ap.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    fleet = Fleet(args)
+    ports = [await fleet.serve(p) for p in (args.port or [0] * args.ports)]
+    if args.ports:
+        print(json.dumps(ports), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def main() -> None:
+    asyncio.run(run(parse_args()))
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ def make_app(router: Router) -> FastAPI:
 
     async def passthrough(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Passthrough)
-        return Response(exc.resp.content, status_code=exc.resp.status_code,
-                        media_type=exc.resp.headers.get("content-type", "application/json"))
+        return Response(exc.reply.body, status_code=exc.reply.status,
+                        media_type=exc.reply.content_type)
 
     app.add_exception_handler(Passthrough, passthrough)
 

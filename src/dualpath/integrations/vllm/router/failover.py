@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx2
-
 from dualpath.http.api_error import ApiError
 from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.policy import RoutePolicy
@@ -48,13 +46,6 @@ class Retry(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-def is_broken(exc: httpx2.HTTPError) -> bool:
-    """Whether a failed exchange says the instance is gone (refused, reset, dropped mid-reply,
-    no connection in time), rather than slow."""
-    return isinstance(exc, httpx2.NetworkError | httpx2.RemoteProtocolError
-                      | httpx2.ConnectTimeout)
 
 
 class Liveness:

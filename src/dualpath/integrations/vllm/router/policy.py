@@ -2,47 +2,53 @@
 the one `sched.scheduler.Scheduler` driven from it (no I/O, no clock; `router.Router` moves
 the requests).
 
-Cluster shape: every vLLM instance is one engine on its own node. Prefill instance `i` is
-engine and node `i`; decode instance `j` is engine and node `P + j`, and DE group `j` of the
-scheduler. The DE side is scheduled per group as the paper does (phase 1 drains the global
-queue to the groups, phase 2 binds each group's decode engine). The PE side is fetched for all
-prefill engines at once (`PE_GROUP`): a group leader's pull (paper §6.1) has no equivalent in a
-router, which sees every instance at every decision, so Algorithm 1 (or round robin in `basic`)
-runs over the union of the prefill engines, which spreads requests across them instead of
-handing the whole queue to whichever single-engine group is asked first.
+Cluster shape (`loads.Layout`): every vLLM instance is one engine (a GPU, or one rank of a
+data-parallel deployment); the engines of a node share its storage NIC's read queue, and a
+node's decode engines are one DE group of the scheduler. By default every instance is a node
+of its own. The DE side is scheduled per group as the paper does (phase 1 drains the global
+queue to the groups, phase 2 binds one of the group's decode engines). The PE side is fetched
+for all prefill engines at once (`PE_GROUP`): a group leader's pull (paper §6.1) has no
+equivalent in a router, which sees every instance at every decision, so Algorithm 1 (or round
+robin in `basic`) runs over the union of the prefill engines, which spreads requests across
+them instead of handing the whole queue to whichever group is asked first.
 
 Loads (`EngineReport` fields), all from the router's own accounting except free KV memory:
 - prefill `i`: `num_seqs` / `num_tokens` = requests routed to it whose prefill has not replied
-  and their prompt tokens; `read_q_tokens` = hit tokens those requests read on the PE side.
+  and their prompt tokens; `read_q_tokens` = hit tokens those requests read on its node's
+  PE side.
 - decode `j`: `num_seqs` / `num_tokens` = requests bound to it (from the DE fetch until the
-  decode reply ends) and their prompt tokens; `read_q_tokens` = hit tokens read on its DE side
-  by requests whose prefill has not replied; `free_hbm_bytes` from the instance's
-  `/metrics` (`InstanceMetrics`): KV capacity x (1 - `kv_cache_usage_perc`) minus what the
-  requests bound to it but not yet sent to it will need; without a usage sample, capacity minus
-  every bound request's need; without a capacity, unlimited (admission then never waits on HBM).
+  decode reply ends) and their prompt tokens; `read_q_tokens` = hit tokens read on its node's
+  DE side by requests whose prefill has not replied; `free_hbm_bytes` from the instance's
+  reported or polled metrics (`InstanceMetrics`): KV capacity x (1 - `kv_cache_usage_perc`)
+  minus what the requests bound to it but not yet sent to it will need; without a usage
+  sample, capacity minus every bound request's need; without a capacity, unlimited
+  (admission then never waits on HBM).
 
 A request the scheduler cannot place waits in its queues; `schedule()` is called again when
-anything changes (a reply, a failure, a metrics poll) and returns the requests it placed.
-These loads are sums kept as requests change state (`_Loads`), not recounted per report: a
-decision over thousands of waiting requests reads them in O(instances).
+anything changes (a reply, a failure, a report) and returns the requests it placed. Its cost
+does not grow with the number of instances: the loads are sums kept as requests change state
+(`loads.Loads`), phase 2 runs for the DE groups that have requests waiting, and Algorithm 1
+is given only the prefill engines it could choose (`loads.PrefillIndex`; round robin, whose
+turns go through every engine, is given them all).
 
-Instances marked down (`mark_down`: a failed health check, a refused connection) are no
-candidates: a down prefill instance reports itself overloaded (`tok > beta`, which Algorithm 1
-and round robin both skip), a down decode instance's DE group gets no requests in phase 1 and
-no fetch in phase 2, and the requests already waiting on it go back to the global queue.
-Requests it already holds are the caller's (`requeue` places one again, on the instances up
-now). `mark_up` makes it a candidate again.
+Instances marked down (`mark_down`: a failed health check or report, a refused connection)
+are no candidates: a down prefill instance reports itself overloaded (`tok > beta`, which
+Algorithm 1 and round robin both skip), a down decode instance is left out of its group's
+fetches, a group whose instances are all down gets no requests in phase 1, and the requests
+already waiting on a down decode instance go back to the global queue. Requests it already
+holds are the caller's (`requeue` places one again, on the instances up now). `mark_up` makes
+it a candidate again.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.router.loads import Layout, Loads, PrefillIndex, RouteCounters
 from dualpath.sched.mode import mode_preset
 from dualpath.sched.params import PathMode, SchedulerParams, alpha_tokens_of
 from dualpath.sched.scheduler import Scheduler
@@ -123,85 +129,84 @@ class _Request:
     """The prefill replied: the request is at its decode instance (or finished)."""
 
 
-@dataclass
-class _Loads:
-    """What the requests add to each instance's report, kept as they change state: every
-    change of a `_Request`'s `de`, `route` or `is_prefilled` (or its end) goes through
-    `RoutePolicy._changing`, which takes its old share out and puts its new one in."""
-
-    prefill_seqs: list[int]
-    prefill_tokens: list[int]
-    decode_seqs: list[int]
-    decode_tokens: list[int]
-    decode_need_bytes: list[int]
-    """HBM bytes of the requests bound to each decode instance."""
-    decode_unsent_bytes: list[int]
-    """... of those of them whose prefill has not replied."""
-    read_q_tokens: list[int]
-    """Per node (prefill `0..P-1`, decode `P..P+D-1`)."""
-
-    @classmethod
-    def empty(cls, num_prefill: int, num_decode: int) -> _Loads:
-        return cls([0] * num_prefill, [0] * num_prefill, [0] * num_decode, [0] * num_decode,
-                   [0] * num_decode, [0] * num_decode, [0] * (num_prefill + num_decode))
-
-
-@dataclass
-class RouteCounters:
-    """Requests per read path and hit blocks per read side since the router started."""
-
-    requests_by_path: Counter[str] = field(default_factory=Counter)
-    blocks_by_side: Counter[str] = field(default_factory=Counter)
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_requeued: int = 0
-    """Requests placed again after an instance failed them (`requeue`)."""
-
-
 class RoutePolicy:
     """The router's `Scheduler` and its accounting; see the module docstring."""
 
     def __init__(self, params: SchedulerParams, num_prefill: int, num_decode: int,
                  is_round_robin: bool = False,
                  decode_kv_capacity_bytes: int | None = None,
-                 forced_read_side: str | None = None) -> None:
+                 forced_read_side: str | None = None, layout: Layout | None = None,
+                 is_pruned: bool = True) -> None:
+        """`layout`: the instances' nodes (default: one node each); `is_pruned` False gives
+        Algorithm 1 every prefill engine at every fetch (the same decisions, at a cost that
+        grows with the engines: for checking the pruning)."""
         if num_prefill < 1 or num_decode < 1:
             raise SpecError("route", "instances", (num_prefill, num_decode),
                             "needs at least one prefill and one decode instance")
         if forced_read_side not in (None, "pe", "de"):
             raise SpecError("route", "force_read_side", forced_read_side, "must be pe or de")
+        layout = layout or Layout.one_per_node(num_prefill, num_decode)
+        if (len(layout.prefill_node), len(layout.decode_node)) != (num_prefill, num_decode):
+            raise SpecError("route", "layout", (len(layout.prefill_node),
+                                                len(layout.decode_node)),
+                            f"must place {num_prefill} prefill and {num_decode} decode "
+                            "instances")
         self.forced_read_side = forced_read_side
         """"pe" / "de": every hit is read on that side whatever the policy chose (a
         diagnostic switch, like the runtime's; the placement of engines is unchanged)."""
         self.params = params
         self.num_prefill = num_prefill
         self.num_decode = num_decode
-        self.sched = Scheduler(params, num_decode, is_round_robin=is_round_robin,
-                               read_nodes=(num_prefill, num_decode))
+        self.layout = layout
+        self.sched = Scheduler(params, layout.num_decode_nodes, is_round_robin=is_round_robin,
+                               read_nodes=(layout.num_prefill_nodes, layout.num_decode_nodes))
         self.decode_kv_capacity_bytes = decode_kv_capacity_bytes
         """Overrides every decode instance's reported KV capacity (`--decode-kv-gib`)."""
         self.metrics: dict[tuple[str, int], InstanceMetrics] = {}
-        """Latest poll per (role, instance index)."""
+        """Latest report or poll per (role, instance index)."""
         self.counters = RouteCounters()
         self._requests: dict[int, _Request] = {}
-        self._loads = _Loads.empty(num_prefill, num_decode)
-        self.down: set[tuple[str, int]] = set()
+        self._loads = Loads.empty(layout)
+        self._group_of = [layout.group_of(j) for j in range(num_decode)]
+        self._decodes_of = layout.decodes_of_group()
+        self._is_down = {Role.PREFILL: [False] * num_prefill, Role.DECODE: [False] * num_decode}
+        self._num_down_of_group = [0] * layout.num_decode_nodes
+        self._pending_groups: set[int] = set()
+        """DE groups whose private queue may hold requests (phase 2 runs for these)."""
+        self._is_unbind_due = False
+        """A decode instance went down: requests bound to it go back to the global queue."""
+        self._index: PrefillIndex | None = None if is_round_robin or not is_pruned \
+            else PrefillIndex(layout.prefill_node, self._prefill_state)
+        if self._index is not None:
+            for i in range(num_prefill):
+                self._index.touch(i)
+
+    @property
+    def down(self) -> set[tuple[str, int]]:
         """(role, instance index) of the instances that take no new requests."""
+        return {(role.value, i) for role, flags in self._is_down.items()
+                for i, is_down in enumerate(flags) if is_down}
 
     # -- requests --------------------------------------------------------------------------
     def _share(self, req: _Request, sign: int) -> None:
         """Add (`sign` 1) or take out (-1) what `req` in its present state adds to loads."""
         loads, route = self._loads, req.route
         if route is not None and not req.is_prefilled:
+            pe_node = self.layout.prefill_node[route.prefill]
             loads.prefill_seqs[route.prefill] += sign
             loads.prefill_tokens[route.prefill] += sign * self.sched.pe_charge(req.request)
-            loads.read_q_tokens[route.prefill] += sign * route.plan.pe_read_tokens
-            loads.read_q_tokens[self.num_prefill + route.decode] += \
+            loads.read_q_tokens[pe_node] += sign * route.plan.pe_read_tokens
+            loads.read_q_tokens[self.layout.decode_node[route.decode]] += \
                 sign * route.plan.de_read_tokens
+            if self._index is not None:
+                for i in self._index.engines_of_node[pe_node]:
+                    self._index.touch(i)
         if req.de is not None:
             j, need = req.de
+            charge = sign * self.sched.de_charge(req.request)
             loads.decode_seqs[j] += sign
-            loads.decode_tokens[j] += sign * self.sched.de_charge(req.request)
+            loads.decode_tokens[j] += charge
+            loads.group_tokens[self._group_of[j]] += charge
             loads.decode_need_bytes[j] += sign * need
             if not req.is_prefilled:
                 loads.decode_unsent_bytes[j] += sign * need
@@ -267,31 +272,48 @@ class RoutePolicy:
 
     # -- instances -------------------------------------------------------------------------
     def is_up(self, role: Role, index: int) -> bool:
-        return (role.value, index) not in self.down
+        return not self._is_down[role][index]
 
     def mark_down(self, role: Role, index: int) -> None:
         """Instance `index` of `role` takes no new requests (see the module docstring)."""
-        self.down.add((role.value, index))
+        self._set_down(role, index, True)
 
     def mark_up(self, role: Role, index: int) -> None:
-        self.down.discard((role.value, index))
+        self._set_down(role, index, False)
 
-    def _up_decodes(self) -> list[int]:
-        return [j for j in range(self.num_decode) if self.is_up(Role.DECODE, j)]
+    def _set_down(self, role: Role, index: int, is_down: bool) -> None:
+        flags = self._is_down[role]
+        if flags[index] is is_down:
+            return
+        flags[index] = is_down
+        if role is Role.DECODE:
+            g = self._group_of[index]
+            self._num_down_of_group[g] += 1 if is_down else -1
+            self._is_unbind_due |= is_down
+            self._pending_groups.add(g)
+        elif self._index is not None:
+            self._index.touch(index)
+
+    def _is_group_down(self, g: int) -> bool:
+        return self._num_down_of_group[g] == len(self._decodes_of[g])
 
     def _unbind_down_decodes(self) -> None:
-        """Requests waiting on a down decode instance (in its DE group's private queue, or
-        bound to it and waiting for a prefill instance) back to the global queue."""
+        """Requests waiting on a down decode instance (in the private queue of a group whose
+        instances are all down, or bound to a down instance and waiting for a prefill
+        instance) back to the global queue."""
         sched = self.sched
-        for j in range(self.num_decode):
-            if self.is_up(Role.DECODE, j):
+        for g in range(len(self._decodes_of)):
+            if not self._is_group_down(g):
                 continue
-            while (head := sched.de_head(j)) is not None:
+            while (head := sched.de_head(g)) is not None:
                 sched.cancel(head.request_id)
                 sched.submit(head)
+        if not self._is_unbind_due:
+            return
+        self._is_unbind_due = False
+        down = self._is_down[Role.DECODE]
         for rid, req in self._requests.items():
-            if req.route is None and req.de is not None and not self.is_up(Role.DECODE,
-                                                                            req.de[0]):
+            if req.route is None and req.de is not None and down[req.de[0]]:
                 sched.cancel(rid)
                 with self._changing(req):
                     req.de = None
@@ -302,36 +324,53 @@ class RoutePolicy:
 
     # -- decisions -------------------------------------------------------------------------
     def schedule(self) -> list[Route]:
-        """DE phase 1 and 2 for every decode instance, then one PE fetch over the prefill
+        """DE phase 1 and 2 for every DE group, then one PE fetch over the prefill
         instances; returns the requests placed on both sides now (in placement order)."""
         sched = self.sched
-        up = self._up_decodes()
-        if len(up) < self.num_decode:
+        num_groups = len(self._decodes_of)
+        num_down = sum(1 for g in range(num_groups) if self._is_group_down(g)) \
+            if any(self._num_down_of_group) else 0
+        if num_down or self._is_unbind_due:
             self._unbind_down_decodes()
-        # Phase 1 over the decode instances that are up: a down one's load counts as
-        # unlimited; round robin may still hand it a turn, so what lands there goes back and
-        # the drain runs again (its cursor moves on: each request lands on an instance that
-        # is up within one pass over the instances).
-        for _ in range(self.num_decode * max(1, sched.num_global)):
-            if not sched.num_global or not up:
+        # Phase 1 over the groups that are up: a down one's load counts as unlimited; round
+        # robin may still hand it a turn, so what lands there goes back and the drain runs
+        # again (its cursor moves on: each request lands on a group that is up within one
+        # pass over the groups).
+        for _ in range(num_groups * max(1, sched.num_global)):
+            if not sched.num_global or num_down == num_groups:
                 break
-            sched.drain([self._loads.decode_tokens[j] if j in up else UNLIMITED_HBM_BYTES
-                         for j in range(self.num_decode)])
-            if len(up) == self.num_decode:
+            loads = self._loads.group_tokens if not num_down else [
+                UNLIMITED_HBM_BYTES if self._is_group_down(g) else t
+                for g, t in enumerate(self._loads.group_tokens)]
+            self._pending_groups.update(a.group_id for a in sched.drain(loads))
+            if not num_down:
                 break
             self._unbind_down_decodes()
-        for j in up:
-            if not sched.num_private(j):
+        read_q = self._loads.read_q_tokens
+        for g in sorted(self._pending_groups):
+            if not sched.num_private(g):
+                self._pending_groups.discard(g)
                 continue
-            de_fetch = sched.de_fetch(j, [self.decode_report(j)], self.read_q_by_node())
+            if self._is_group_down(g):
+                continue
+            reports = [self.decode_report(j) for j in self._decodes_of[g]
+                       if self.is_up(Role.DECODE, j)]
+            de_fetch = sched.de_fetch(g, reports, read_q)
             for d in de_fetch.assignments:
                 req = self._requests[d.request_id]
                 with self._changing(req):
                     req.de = (d.engine_id - self.num_prefill, d.hbm_bytes)
+            if not sched.num_private(g):
+                self._pending_groups.discard(g)
         if not sched.num_pe_waiting:
             return []
-        reports = [self.prefill_report(i) for i in range(self.num_prefill)]
-        fetch = sched.pe_fetch(PE_GROUP, reports, self.read_q_by_node())
+        engines = None if self._index is None else \
+            self._index.candidates(sched.num_pe_waiting)
+        if engines is not None and not engines:
+            return []  # every prefill instance is down or overloaded: nothing is placed
+        reports = [self.prefill_report(i)
+                   for i in (range(self.num_prefill) if engines is None else engines)]
+        fetch = sched.pe_fetch(PE_GROUP, reports, read_q)
         placed = []
         for a in fetch.assignments:
             req = self._requests[a.request_id]
@@ -354,16 +393,25 @@ class RoutePolicy:
     # -- loads -----------------------------------------------------------------------------
     def read_q_by_node(self) -> dict[int, int]:
         """Hit tokens queued on each node's storage NIC: the reads of requests whose prefill
-        has not replied (prefill nodes `0..P-1`, decode nodes `P..P+D-1`)."""
-        return dict(enumerate(self._loads.read_q_tokens))
+        has not replied (prefill nodes first, then decode nodes: `loads.Layout`)."""
+        return dict(self._loads.read_q_tokens)
+
+    def _prefill_state(self, i: int) -> tuple[int, bool, bool]:
+        """Prefill instance `i` as Algorithm 1 sorts it: (tok, is its node's read queue
+        short, is it a candidate at all: up and not overloaded)."""
+        tok = self._loads.prefill_tokens[i]
+        p = self.params
+        return (tok, self._loads.read_q_tokens[self.layout.prefill_node[i]] <= p.alpha_tokens,
+                tok <= p.beta_tokens and not self._is_down[Role.PREFILL][i])
 
     def prefill_report(self, i: int) -> EngineReport:
         """Prefill instance `i`'s loads; a down one reports more than beta tokens, so neither
         Algorithm 1 nor round robin gives it a request."""
         num, tokens = self._prefill_load(i)
-        if not self.is_up(Role.PREFILL, i):
+        if self._is_down[Role.PREFILL][i]:
             tokens = max(tokens, int(self.params.beta_tokens) + 1)
-        return EngineReport(i, i, Role.PREFILL, num, tokens, self._loads.read_q_tokens[i],
+        node = self.layout.prefill_node[i]
+        return EngineReport(i, node, Role.PREFILL, num, tokens, self._loads.read_q_tokens[node],
                             UNLIMITED_HBM_BYTES)
 
     def _prefill_load(self, i: int) -> tuple[int, int]:
@@ -371,14 +419,14 @@ class RoutePolicy:
         return self._loads.prefill_seqs[i], self._loads.prefill_tokens[i]
 
     def decode_report(self, j: int) -> EngineReport:
-        node = self.num_prefill + j
-        return EngineReport(node, node, Role.DECODE, self._loads.decode_seqs[j],
+        node = self.layout.decode_node[j]
+        return EngineReport(self.num_prefill + j, node, Role.DECODE, self._loads.decode_seqs[j],
                             self._loads.decode_tokens[j], self._loads.read_q_tokens[node],
                             self.free_hbm_bytes(j))
 
     def free_hbm_bytes(self, j: int) -> int:
         """Decode instance `j`'s KV memory for new requests (see the module docstring)."""
-        sample = self.metrics.get((Role.DECODE.value, j), InstanceMetrics())
+        sample = self.metrics.get((Role.DECODE.value, j), _NO_METRICS)
         capacity = self.decode_kv_capacity_bytes or sample.kv_capacity_bytes
         if capacity is None:
             return UNLIMITED_HBM_BYTES
@@ -394,14 +442,15 @@ class RoutePolicy:
 
     def snapshot(self, full_block_bytes: int) -> dict[str, Any]:
         """Every number `/stats` and `/metrics` show (JSON-ready)."""
-        read_q = self.read_q_by_node()
+        read_q = self._loads.read_q_tokens
         c = self.counters
         prefill = []
         for i in range(self.num_prefill):
             num, tokens = self._prefill_load(i)
-            prefill.append({"index": i, "node": i, "up": self.is_up(Role.PREFILL, i),
+            node = self.layout.prefill_node[i]
+            prefill.append({"index": i, "node": node, "up": self.is_up(Role.PREFILL, i),
                             "in_flight": num, "in_flight_tokens": tokens,
-                            "read_queue_tokens": read_q[i],
+                            "read_queue_tokens": read_q[node],
                             "metrics": _metrics_dict(self.metrics.get(("prefill", i)))})
         decode = []
         for j in range(self.num_decode):
@@ -421,6 +470,9 @@ class RoutePolicy:
             "finished": c.num_finished, "aborted": c.num_aborted, "requeued": c.num_requeued,
             "prefill": prefill, "decode": decode,
         }
+
+
+_NO_METRICS = InstanceMetrics()
 
 
 def _metrics_dict(sample: InstanceMetrics | None) -> dict[str, Any] | None:

@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
 
-import httpx2
 from fastapi.responses import Response, StreamingResponse
 
 from dualpath.core.blocks import NO_SCOPE, KeyScope
@@ -55,8 +54,10 @@ from dualpath.integrations.vllm.router.bodies import (
     prefill_body,
     tokenize_request,
 )
+from dualpath.integrations.vllm.router.client import Stream, UpstreamError, is_broken
 from dualpath.integrations.vllm.router.config import RouterConfig
-from dualpath.integrations.vllm.router.failover import RETRIES, Liveness, Retry, is_broken
+from dualpath.integrations.vllm.router.failover import RETRIES, Liveness, Retry
+from dualpath.integrations.vllm.router.known import KnownBlocks
 from dualpath.integrations.vllm.router.policy import Route, RoutePolicy
 from dualpath.integrations.vllm.router.scope import ModelCatalog, body_scope
 from dualpath.integrations.vllm.router.scrape import Poller
@@ -89,12 +90,14 @@ class Router:
                                   cfg.is_round_robin, cfg.decode_kv_capacity_bytes,
                                   cfg.forced_read_side)
         self.store = BlockStore(cfg.store, m.file_bytes, is_durable=False)
+        self.known = KnownBlocks(self.store.contains)
+        """The store's files known to exist (checks of an agent's repeated context skipped)."""
         self._ids = itertools.count(1)
         self._tokenize_turn = itertools.count()
         self._waiters: dict[int, asyncio.Future[Route]] = {}
         self.liveness = Liveness(cfg, self.policy, self._place)
         self.upstream = Upstream(cfg, self.liveness)
-        self.poller = Poller(cfg, self.policy, self.liveness, lambda: self.upstream.client,
+        self.poller = Poller(cfg, self.policy, self.liveness, self.upstream.pool,
                              self._place)
         self.catalog = ModelCatalog(self._models, cfg.model_name)
         """The instances' models and adapters, for each request's key scope."""
@@ -183,9 +186,8 @@ class Router:
                                        for d in self.health()[1]))
             await asyncio.sleep(min(self.cfg.poll_interval_s, 0.1))
         for k, (role, index) in enumerate(candidates):
-            url = self.cfg.url_of(role, index) + "/tokenize"
             try:
-                resp = await self.upstream.post(role, url, req, index)
+                resp = await self.upstream.post(role, index, "/tokenize", req)
                 break
             except ApiError:
                 if k == len(candidates) - 1 or self.policy.is_up(role, index):
@@ -195,9 +197,10 @@ class Router:
         except (ValueError, KeyError, TypeError):
             ids = None
         if not is_token_ids(ids):
-            self.upstream.count_error(role, url)
-            raise server_error(HTTPStatus.BAD_GATEWAY, f"{role.value} instance {url}: no "
-                               "token ids in its reply")
+            self.upstream.count_error(role, index)
+            raise server_error(HTTPStatus.BAD_GATEWAY, f"{role.value} instance "
+                               f"{self.cfg.url_of(role, index)}/tokenize: no token ids in "
+                               "its reply")
         return list(ids)
 
     def _tokenizers(self) -> list[tuple[Role, int]]:
@@ -214,15 +217,16 @@ class Router:
         the request's key scope (None: a request they do not key counts none)."""
         if scope is None:
             return 0
-        return self.cfg.manifest.hit_blocks(tokens, self.store.contains, self._stat_threads,
+        return self.cfg.manifest.hit_blocks(tokens, self.known.contains, self._stat_threads,
                                             scope)
 
     async def _models(self) -> Any:
         """A prefill instance's `/v1/models` (the catalog of base models and adapters)."""
-        url = self.cfg.prefill[next(self._tokenize_turn) % len(self.cfg.prefill)]
-        resp = await self.upstream.client.get(url + "/v1/models")
-        resp.raise_for_status()
-        return resp.json()
+        index = next(self._tokenize_turn) % len(self.cfg.prefill)
+        reply = await self.upstream.pool(Role.PREFILL, index).request("GET", "/v1/models")
+        if reply.status != HTTPStatus.OK:
+            raise ValueError(f"/v1/models answered HTTP {reply.status}")
+        return reply.json()
 
     async def handle(self, body: Any, is_chat: bool, trace_id: str | None = None) -> Response:
         """One completion or chat request, routed (the module docstring's steps); `trace_id`
@@ -238,7 +242,10 @@ class Router:
         trace_id = trace_id or uuid.uuid4().hex
         scope = await body_scope(body, is_chat, self.catalog)
         tokens = await self.tokens(body, is_chat)
-        hit = await asyncio.to_thread(self.hit_blocks, tokens, scope)
+        # On the event loop while the store answers fast (a local disk, most files known);
+        # a slow one (a network file system's round trips) is asked from a thread.
+        hit = await asyncio.to_thread(self.hit_blocks, tokens, scope) \
+            if self.known.is_slow else self.hit_blocks(tokens, scope)
         request_id = next(self._ids)
         self.policy.submit(request_id, len(tokens), hit, gen)
         is_handed_off = is_ok = False
@@ -275,8 +282,7 @@ class Router:
         params = RouteParams(xfer=uuid.uuid4().hex, de=self.cfg.sides[route.decode],
                              hit_blocks=route.plan.num_hit_blocks,
                              pe_blocks=route.plan.num_pe_blocks)
-        pre = await self.upstream.post_or_retry(Role.PREFILL, route.prefill,
-                                                self.cfg.prefill[route.prefill] + path,
+        pre = await self.upstream.post_or_retry(Role.PREFILL, route.prefill, path,
                                                 prefill_body(body, is_chat, params), headers)
         self.policy.prefill_done(request_id)
         self._place()
@@ -295,28 +301,26 @@ class Router:
                                       recomputed=report.recomputed_blocks)
         m = self.cfg.manifest
         cached, extension = usage_report(route, report, m.block_size, m.full_block_bytes)
-        url = self.cfg.decode[route.decode] + path
         out = decode_body(body, kv)
         if not is_stream:
-            resp = await self.upstream.post_or_retry(Role.DECODE, route.decode, url, out,
+            resp = await self.upstream.post_or_retry(Role.DECODE, route.decode, path, out,
                                                      headers)
-            content = resp.content
+            content = resp.body
             try:
                 reply = json.loads(content)
             except ValueError:
                 reply = None
             if with_usage(reply, cached, extension):
                 content = json.dumps(reply).encode()
-            return Response(content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type",
-                                                        "application/json")), False
-        stream = await self.upstream.open_stream(route.decode, url, out, headers)
-        events = sse_events(stream)
+            return Response(content, status_code=resp.status,
+                            media_type=resp.content_type), False
+        stream = await self.upstream.open_stream(route.decode, path, out, headers)
+        events = sse_events(stream.chunks())
         try:
             first = await anext(events, b"")
-        except httpx2.HTTPError as e:
+        except UpstreamError as e:
             await stream.aclose()
-            err = self.upstream.error(Role.DECODE, url, e, route.decode)
+            err = self.upstream.error(Role.DECODE, route.decode, path, e)
             if is_broken(e):
                 raise Retry(err) from e
             raise err from e
@@ -324,12 +328,12 @@ class Router:
             await stream.aclose()
             raise
         usage = (cached, extension)
-        return StreamingResponse(self._relay(request_id, route.decode, url, stream, first,
+        return StreamingResponse(self._relay(request_id, route.decode, path, stream, first,
                                              events, usage),
                                  media_type=stream.headers.get("content-type",
                                                                "text/event-stream")), True
 
-    async def _relay(self, request_id: int, index: int, url: str, resp: httpx2.Response,
+    async def _relay(self, request_id: int, index: int, path: str, resp: Stream,
                      first: bytes, events: AsyncIterator[bytes],
                      usage: tuple[int, dict[str, Any]]) -> AsyncIterator[bytes]:
         """The decode instance's events to the client, whole, their usage (when the client
@@ -342,9 +346,9 @@ class Router:
             async for event in events:
                 yield with_usage_event(event, *usage)
             is_ok = True
-        except httpx2.HTTPError as e:
+        except UpstreamError as e:
             self.num_stream_errors += 1
-            err = self.upstream.error(Role.DECODE, url, e, index)
+            err = self.upstream.error(Role.DECODE, index, path, e)
             yield f"data: {json.dumps(err.body())}\n\n".encode() + DONE_EVENT
         finally:
             await resp.aclose()
@@ -353,14 +357,8 @@ class Router:
     async def models(self) -> Response:
         index = next((i for i in range(len(self.cfg.prefill))
                       if self.policy.is_up(Role.PREFILL, i)), 0)
-        url = self.cfg.prefill[index] + "/v1/models"
-        try:
-            resp = await self.upstream.client.get(url)
-        except httpx2.HTTPError as e:
-            raise self.upstream.error(Role.PREFILL, url, e, index) from e
-        self.upstream.check_reply(Role.PREFILL, url, resp)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
+        reply = await self.upstream.get(Role.PREFILL, index, "/v1/models")
+        return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
 
     # -- numbers ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -382,6 +380,7 @@ class Router:
                     queue_timeouts=self.num_queue_timeouts,
                     schedule_calls=self.num_schedules, schedule_seconds=self.schedule_s,
                     polls=self.poller.num_polls,
+                    store_checks=self.known.num_checks, store_checks_skipped=self.known.num_hits,
                     block_size=self.cfg.manifest.block_size,
                     full_block_bytes=self.cfg.manifest.full_block_bytes)
         return snap

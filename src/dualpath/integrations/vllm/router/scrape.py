@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from http import HTTPStatus
 
-import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath.integrations.vllm.router.client import Pool, UpstreamError
 from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.failover import Liveness
 from dualpath.integrations.vllm.router.policy import InstanceMetrics, RoutePolicy
@@ -60,16 +60,18 @@ class Poller:
     router places the requests waiting)."""
 
     def __init__(self, cfg: RouterConfig, policy: RoutePolicy, liveness: Liveness,
-                 client: Callable[[], httpx2.AsyncClient], on_round: Callable[[], None]) -> None:
+                 pool: Callable[[Role, int], Pool],
+                 on_round: Callable[[], None]) -> None:
         self.cfg = cfg
         self.policy = policy
         self.liveness = liveness
-        self.client = client
+        self.pool = pool
         self.on_round = on_round
         m = cfg.manifest
         self.kv_bytes_per_token = m.full_block_bytes / m.block_size
         self.errors: Counter[tuple[str, str]] = Counter()
         """(role, url) -> polls of that instance that failed."""
+        self.num_polls = 0
 
     async def poll_forever(self) -> None:
         while True:
@@ -83,17 +85,19 @@ class Poller:
         is up (any failure marks it down; a failed poll keeps the last sample)."""
         timeout = max(1.0, 2 * self.cfg.poll_interval_s)
         polled_at = time.monotonic()
-        client = self.client()
+        self.num_polls += 1
+        pool = self.pool(role, index)
         try:
-            health = await client.get(f"{url}/health", timeout=timeout)
-            if health.status_code != HTTPStatus.OK:
-                raise ValueError(f"/health answered HTTP {health.status_code}")
-            resp = await client.get(f"{url}/metrics", timeout=timeout)
-            resp.raise_for_status()
+            health = await pool.request("GET", "/health", timeout_s=timeout)
+            if health.status != HTTPStatus.OK:
+                raise ValueError(f"/health answered HTTP {health.status}")
+            page = await pool.request("GET", "/metrics", timeout_s=timeout)
+            if page.status != HTTPStatus.OK:
+                raise ValueError(f"/metrics answered HTTP {page.status}")
             # Off the event loop: the pages of many instances would hold it.
-            sample = await asyncio.to_thread(parse_vllm_metrics, resp.text,
+            sample = await asyncio.to_thread(parse_vllm_metrics, page.text,
                                              self.kv_bytes_per_token)
-        except (httpx2.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             self.errors[(role.value, url)] += 1
             log.debug("poll of %s: %s", url, e)
             self.liveness.mark_down(role, index, f"poll failed: {type(e).__name__}: {e}"[:300])

@@ -8,8 +8,6 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx2
-
 from dualpath.integrations.vllm.manifest import LoadReport
 from dualpath.integrations.vllm.router.policy import Route
 
@@ -62,11 +60,11 @@ def with_usage_event(event: bytes, cached_tokens: int, extension: dict[str, Any]
 
 
 
-async def sse_events(resp: httpx2.Response) -> AsyncIterator[bytes]:
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """A server-sent event stream's events, each with its blank line (a stream that ends
     without one yields its tail as the last event)."""
     buf = b""
-    async for chunk in resp.aiter_bytes():
+    async for chunk in chunks:
         buf += chunk
         while (m := _EVENT_END.search(buf)) is not None:
             yield buf[:m.end()]
