@@ -18,7 +18,8 @@ import torch
 
 from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.connector.kvio import KVWorker, LayoutError
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.pages import LayoutError
 from dualpath.integrations.vllm.connector.plan import (
     BlockTransfer,
     Planner,

@@ -6,8 +6,8 @@ into or out of VRAM: it emulates such a READ or WRITE over TCP, several times sl
 to host (docs/measurements.md). So a GPU worker bounces by default (`host_bounce`):
 its pulls READ into a registered pinned host buffer, layer-major, and `inject(layer)` copies
 the layer's rows into the paged KV (one host-to-device copy, one `index_copy_`:
-`kvio.scatter_pages`); its pushes gather each layer's pages into such a buffer (one
-`index_select`, one device-to-host copy: `kvio.gather_pages`) and WRITE from there. The
+`pages.scatter_pages`); its pushes gather each layer's pages into such a buffer (one
+`index_select`, one device-to-host copy: `pages.gather_pages`) and WRITE from there. The
 direct path (NIXL straight into and out of VRAM) is for GPUDirect nodes.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dualpath.integrations.vllm.connector.kvio import FitPool
+from dualpath.integrations.vllm.connector.fit_pool import FitPool
 from dualpath.integrations.vllm.connector.plan import BACKGROUND_LOAD_THREADS
 from dualpath.transport.nixl import NixlAgent, Prepped
 from dualpath.transport.transfer_error import TransferError
@@ -76,7 +76,7 @@ def _bounce_rows(n: int) -> int:
 
 
 class BouncePool:
-    """`Bounce` buffers taken whole and given back (`kvio.FitPool`): each is registered with
+    """`Bounce` buffers taken whole and given back (`fit_pool.FitPool`): each is registered with
     NIXL and its list prepared once, when made; the largest `max_kept` free ones are kept."""
 
     def __init__(self, link: NixlAgent, num_layers: int, page_bytes: int, pinned: bool,

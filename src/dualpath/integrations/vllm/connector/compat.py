@@ -12,7 +12,7 @@ number) and gives the connector one answer (`docs/vllm/gpu.md` says which releas
   Both give the page order the connector needs: each block's page of a layer is one dense run
   in logical [H, N, C] order.
 - `KVCacheConfig.kv_cache_layout` (vLLM >= 0.30): the layout vLLM allocated. Before, vLLM
-  allocated the one the connector required (`kvio.paged_kv_bases` refuses any other).
+  allocated the one the connector required (`pages.paged_kv_bases` refuses any other).
 - `CachedRequestData.resumed_req_ids` (vLLM <= 0.33): a request resumed after preemption
   comes among the cached ones, flagged there. From 0.34 it is re-sent in full among the new
   ones (its blocks and worker state were dropped at preemption).

@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 
 from dualpath.integrations.vllm.connector.digest import matches
-from dualpath.integrations.vllm.connector.kvio import KVWorker, scatter_pages
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.pages import scatter_pages
 from dualpath.integrations.vllm.connector.plan import StepPlan
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError

@@ -65,7 +65,7 @@ from dualpath.integrations.vllm.connector.compat import (
     resumed_req_ids,
 )
 from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
-from dualpath.integrations.vllm.connector.kvio import KVWorker, WorkerCounters
+from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.plan import (
     Planner,
     StepPlan,
@@ -87,6 +87,7 @@ from dualpath.integrations.vllm.connector.vllm_metrics import (
     DualPathStats,
     storage_events,
 )
+from dualpath.integrations.vllm.connector.worker_record import WorkerCounters
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 from dualpath.store import BlockStore, store_file_mode
 from dualpath.transport.pacing import Pacer
@@ -203,7 +204,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """LBHNC (vLLM's HND): each block's page of a layer is one contiguous run in logical
         `[H, N, C]` order. The store's payload is that logical order, and NIXL moves raw page
         bytes between the decode node's staging slots and the prefill node's paged KV, so the
-        physical order of a page must be the logical one (`kvio.paged_kv_bases` refuses any
+        physical order of a page must be the logical one (`pages.paged_kv_bases` refuses any
         other). vLLM's CUDA FlashAttention declares no layout and would get LBNHC (NHD, heads
         and tokens swapped inside a page). MLA's pages have one head: any order is the same."""
         model_config = vllm_config.model_config

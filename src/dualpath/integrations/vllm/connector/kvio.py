@@ -33,147 +33,29 @@ Per step (`bind` .. `finish_step`), in vLLM's calling order:
 from __future__ import annotations
 
 import contextlib
-import json
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from dualpath.integrations.vllm.connector.fit_pool import FitPool
+from dualpath.integrations.vllm.connector.pages import (
+    LayoutError,
+    gather_pages,
+    scatter_pages,
+    wait_for_device,
+)
 from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.connector.worker_record import WorkerRecord
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
-
-T = TypeVar("T")
-
-
-def wait_for_device(t: torch.Tensor) -> None:
-    """Return once the work queued so far on the current stream of `t`'s GPU is done (a CUDA
-    event recorded now, waited for); at once for a CPU tensor. Anything that reads `t`'s memory
-    behind the stream's back (a NIXL WRITE, a copy on another stream) waits for this first."""
-    if t.is_cuda:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(t.device))
-        event.synchronize()
-
-
-class LayoutError(ValueError):
-    """A paged KV tensor does not match the layout the store was opened for."""
-
-
-@dataclass(frozen=True)
-class PagedLayer:
-    """Where one layer's pages lie in memory, for transfers that move raw page bytes (NIXL)."""
-
-    address: int
-    """Of block 0's page."""
-    block_stride_bytes: int
-    """From one block's page to the next: the page itself in a layer-compact layout (LBHNC),
-    every layer's page in a block-outermost one (BLHNC)."""
-    span: torch.Tensor
-    """A 1-D view from block 0's page to the end of the last (what NIXL registers)."""
-
-
-def paged_kv_bases(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
-                   page_bytes: int) -> list[PagedLayer]:
-    """Each layer's pages for raw-byte transfers. The store's payload is a page in logical
-    `[H, N, C]` order, so raw page bytes are only right where a page is stored that way: a
-    dense run of `page_bytes` per block (any block stride). Layouts that store a page in
-    another order (LBNHC, vLLM's default for CUDA FlashAttention: heads and tokens swapped)
-    are refused; the connector asks vLLM for LBHNC (`get_required_kvcache_layout`)."""
-    layers = []
-    for name in layer_names:
-        kv = kv_caches.get(name)
-        if kv is None:
-            raise LayoutError(f"vLLM registered no KV cache for layer {name!r}")
-        size = kv.element_size()
-        if kv.dim() < 2 or kv[0].numel() * size != page_bytes:
-            raise LayoutError(f"layer {name!r}: paged KV {tuple(kv.shape)} {kv.dtype} does not "
-                              f"hold {page_bytes} B pages")
-        if not kv[0].is_contiguous():
-            raise LayoutError(
-                f"layer {name!r}: a page of the paged KV {tuple(kv.shape)} has strides "
-                f"{kv.stride()[1:]}, not its logical [H, N, C] order (KV cache layout LBHNC); "
-                "unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC")
-        stride = kv.stride(0) * size
-        if kv.shape[0] > 1 and stride < page_bytes:
-            raise LayoutError(f"layer {name!r}: blocks {stride} B apart overlap {page_bytes} "
-                              f"B pages")
-        span = (kv.shape[0] - 1) * kv.stride(0) + kv[0].numel()
-        layers.append(PagedLayer(int(kv.data_ptr()), stride,
-                                 torch.as_strided(kv, (span,), (1,))))
-    return layers
-
-
-@dataclass
-class WorkerCounters:
-    """What the worker side has moved since it started."""
-
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    skipped_saves: int = 0
-    """Blocks planned for saving that were stored already (or belonged to a failed load)."""
-    failed_saves: int = 0
-    pulled_blocks: int = 0
-    """Prefill: DE-side hit blocks pulled from a decode instance's staging buffer."""
-    pushed_blocks: int = 0
-    """Prefill: blocks written into a decode instance's staging buffer after prefill."""
-    xfer_loaded_blocks: int = 0
-    """Decode: blocks loaded from this instance's staging buffer."""
-    remote_errors: int = 0
-    """Side-channel or NIXL failures (each costs a recompute, never a wrong token)."""
-
-
-_COUNTERS = frozenset(f.name for f in fields(WorkerCounters))
-
-
-class FitPool(Generic[T]):
-    """Items taken whole and given back, to be reused (the KV worker's staging buffers, a
-    prefill worker's registered bounce buffers): `take` gives the smallest free item that
-    fits, else a new one; `give` keeps the largest `max_kept` free ones and `drop`s the rest."""
-
-    def __init__(self, size_of: Callable[[T], int],
-                 drop: Callable[[T], None] = lambda _item: None, max_kept: int = 4) -> None:
-        self.size_of = size_of
-        self.drop = drop
-        self.max_kept = max_kept
-        self._free: list[T] = []
-        self._lock = threading.Lock()
-
-    def take(self, size: int, make: Callable[[], T],
-             accepts: Callable[[T], bool] = lambda _item: True) -> T:
-        """A free item of at least `size` that `accepts` takes (the smallest), else `make()`."""
-        with self._lock:  # (by position: `==` on tensors compares their elements)
-            fits = [i for i, item in enumerate(self._free)
-                    if self.size_of(item) >= size and accepts(item)]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self.size_of(self._free[i])))
-        return make()
-
-    def give(self, item: T) -> None:
-        with self._lock:
-            self._free.append(item)
-            dropped = None
-            if len(self._free) > self.max_kept:  # keep the largest
-                dropped = self._free.pop(min(range(len(self._free)),
-                                             key=lambda i: self.size_of(self._free[i])))
-        if dropped is not None:
-            self.drop(dropped)
-
-    def close(self) -> None:
-        """Drop every free item."""
-        with self._lock:
-            free, self._free = self._free, []
-        for item in free:
-            self.drop(item)
 
 
 @dataclass
@@ -194,7 +76,7 @@ class _Saves:
     num_unwritten: int = 0
 
 
-class KVWorker:
+class KVWorker(WorkerRecord):
     """Moves Full Blocks between a `BlockStore` and vLLM's per-layer paged KV tensors.
 
     Copies are batched: a step's loads are read straight into the paged KV where it is host
@@ -220,7 +102,7 @@ class KVWorker:
         self.layer_names = list(layer_names)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.page_bytes = page_bytes
-        self.event_log = Path(event_log) if event_log else None
+        super().__init__(event_log)
         self.pacer = pacer
         """The emulated storage NIC every store read is charged to (None: unpaced)."""
         self.shard = shard or Shard()
@@ -230,9 +112,6 @@ class KVWorker:
         self._page_rows: list[Any] | None = None
         """Per layer, its pages as a numpy [blocks, page_bytes] view (host KV with contiguous
         pages: loads read straight into them), else None."""
-        self._lock = threading.Lock()
-        """Guards the counters and the event log (engine and background threads share them)."""
-        self.counters = WorkerCounters()
         self._plan = StepPlan()
         self._buffers = FitPool[torch.Tensor](size_of=torch.Tensor.numel)
         """Reusable uint8 staging buffers (pinned where the paged KV is on a GPU, so copies
@@ -246,8 +125,6 @@ class KVWorker:
         self._loaded_index: dict[torch.device, torch.Tensor] = {}
         self._saves: _Saves | None = None
         self._saves_planned = False
-        self._failed_reqs: set[str] = set()
-        self._error_block_ids: set[int] = set()
         self._readers = ThreadPoolExecutor(max_workers=max(1, read_threads),
                                            thread_name_prefix="dualpath-read")
         self._writers = ThreadPoolExecutor(max_workers=max(1, write_threads),
@@ -502,22 +379,6 @@ class KVWorker:
         self._writers.shutdown(wait=True)
         self._readers.shutdown(wait=True)
 
-    def report_load_error(self, req_id: str, block_id: int) -> None:
-        """A block of `req_id` that did not load: vLLM recomputes from it on, and nothing of
-        the request is saved in this step."""
-        self._failed_reqs.add(req_id)
-        self._error_block_ids.add(block_id)
-        self.count(load_errors=1)
-
-    def has_failed(self, req_id: str) -> bool:
-        """A load of `req_id` failed in this step."""
-        return req_id in self._failed_reqs
-
-    def take_load_errors(self) -> set[int]:
-        """vLLM block ids that failed to load since the last call."""
-        errors, self._error_block_ids = self._error_block_ids, set()
-        return errors
-
     # -- helpers ---------------------------------------------------------------------------
     def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
         return self._buffers.take(
@@ -580,7 +441,7 @@ class KVWorker:
         self.log_event({"event": event, "req_id": t.req_id, "first_block": t.first_block,
                          "blocks": len(t.block_ids), **extra})
 
-    # -- what the P/D data plane (`remote.py`) shares -------------------------------------
+    # -- what the P/D data plane (`remote`, `decode_remote`, `staged_pull`) shares -------
     @property
     def full_block_bytes(self) -> int:
         """One vLLM block's pages, every layer (a staging slot, a row of a buffer)."""
@@ -590,62 +451,6 @@ class KVWorker:
     def file_bytes(self) -> int:
         """One store file: `blocks_per_file` Full Blocks."""
         return self.store.full_block_bytes
-
-    def count(self, **deltas: int) -> None:
-        """Add `deltas` to the named counters (`WorkerCounters` fields), from any thread."""
-        with self._lock:
-            for name, n in deltas.items():
-                if name not in _COUNTERS:
-                    raise AttributeError(f"WorkerCounters has no counter {name!r}")
-                setattr(self.counters, name, getattr(self.counters, name) + n)
-
-    def remote_error(self, req_id: str, op: str, error: str, **extra: object) -> None:
-        """A side-channel or NIXL failure of `req_id` in `op`: counted and logged (it costs a
-        recompute, never a wrong token)."""
-        self.count(remote_errors=1)
-        self.log_event({"event": "remote_error", "req_id": req_id, "op": op, "error": error,
-                        **extra})
-
-    def log_event(self, record: dict[str, object]) -> None:
-        """Append `record` (and the counters) to the event log, when there is one."""
-        if self.event_log is None:
-            return
-        with self._lock:
-            record = {"t": round(time.time(), 3), **record, "counters": asdict(self.counters)}
-            with self.event_log.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def scatter_pages(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
-                  pages: torch.Tensor, reuses_pages: bool = False) -> None:
-    """`kv[block_ids[j]] = page j` for every row of `pages` (uint8 [n, page_bytes], any row
-    stride). On a GPU one host-to-device copy and one `index_copy_`; on the host a `copy_`
-    per page, a memcpy each (torch's CPU `index_copy_` moves 0.3 GB/s here, per-page copies
-    9 GB/s). `reuses_pages`: the caller refills `pages` next, so the host-to-device copy
-    is waited for."""
-    n = pages.shape[0]
-    src = pages.view(kv.dtype).view(n, *kv.shape[1:])
-    if kv.is_cuda:
-        ids = block_ids if isinstance(block_ids, torch.Tensor) else torch.tensor(
-            list(block_ids), device=kv.device)
-        kv.index_copy_(0, ids.to(kv.device), src.to(kv.device, non_blocking=not reuses_pages))
-        return
-    targets = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
-    for j, block_id in enumerate(targets):
-        kv[block_id].copy_(src[j])
-
-
-def gather_pages(kv: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """`out[j] = kv[block_ids[j]]` (`out` uint8 [n, page_bytes], any row stride): on a GPU one
-    `index_select` and one device-to-host copy (ordered after the kernels that wrote the
-    pages: same stream), on the host a `copy_` per page."""
-    n = out.shape[0]
-    dst = out.view(kv.dtype).view(n, *kv.shape[1:])
-    if kv.is_cuda:
-        dst.copy_(kv.index_select(0, block_ids))
-        return
-    for j, block_id in enumerate(block_ids.tolist()):
-        dst[j].copy_(kv[block_id])
 
 
 def _chunks(rows: range, n: int) -> list[range]:

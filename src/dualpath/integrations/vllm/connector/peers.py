@@ -17,7 +17,8 @@ import numpy.typing as npt
 import torch
 
 from dualpath.integrations.vllm.connector.bounce import Bounce, BouncePool
-from dualpath.integrations.vllm.connector.kvio import KVWorker, paged_kv_bases
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.pages import paged_kv_bases
 from dualpath.integrations.vllm.connector.plan import RemoteLoad
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError

@@ -34,12 +34,8 @@ import torch
 
 from dualpath.integrations.vllm.connector.bounce import Bounce
 from dualpath.integrations.vllm.connector.digest import block_digests
-from dualpath.integrations.vllm.connector.kvio import (
-    KVWorker,
-    gather_pages,
-    scatter_pages,
-    wait_for_device,
-)
+from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.pages import gather_pages, scatter_pages, wait_for_device
 from dualpath.integrations.vllm.connector.peers import DecodePeers, Indices
 from dualpath.integrations.vllm.connector.plan import Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.side_channel.wire import (

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from dualpath.integrations.vllm.connector.kvio import scatter_pages
+from dualpath.integrations.vllm.connector.pages import scatter_pages
 from dualpath.integrations.vllm.connector.peers import DecodePeers
 from dualpath.integrations.vllm.connector.plan import RemoteLoad
 from dualpath.integrations.vllm.connector.side_channel.wire import (
