@@ -62,8 +62,8 @@ import torch
 
 from dualpath.core.blocks import block_keys, max_hit_blocks
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.remote import STAGE_PIECES
+from dualpath.integrations.vllm.connector.step_plan import BlockTransfer, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.manifest import StoreManifest
 from dualpath.integrations.vllm.router.policy import RoutePolicy, route_params
 from dualpath.integrations.vllm.router.router import STAT_THREADS

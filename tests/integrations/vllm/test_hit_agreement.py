@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from dualpath.core.blocks import KeyScope, block_keys
-from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
+from dualpath.integrations.vllm.connector.key_namespace import namespace_key
+from dualpath.integrations.vllm.connector.plan import Planner
 from dualpath.integrations.vllm.manifest import RouteParams, StoreManifest
 from dualpath.integrations.vllm.router.scope import ModelCatalog, body_scope
 from dualpath.store import BlockStore

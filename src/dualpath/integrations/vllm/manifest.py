@@ -100,7 +100,7 @@ class StoreManifest:
     """One connector's key namespace and block format in a store."""
 
     namespace: str
-    """Hex of the parent key of every block chain (`plan.namespace_key`)."""
+    """Hex of the parent key of every block chain (`key_namespace.namespace_key`)."""
     model: str
     block_size: int
     full_block_bytes: int

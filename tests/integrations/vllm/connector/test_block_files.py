@@ -18,17 +18,17 @@ import torch
 
 from dualpath.core.blocks import block_keys, hit_blocks
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.connector.key_namespace import namespace_key
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.pages import LayoutError
-from dualpath.integrations.vllm.connector.plan import (
+from dualpath.integrations.vllm.connector.plan import Planner
+from dualpath.integrations.vllm.connector.step_plan import (
     BlockTransfer,
-    Planner,
     RemoteLoad,
     StepPlan,
     XferLoad,
     check_blocks_per_file,
     default_blocks_per_file,
-    namespace_key,
 )
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 from dualpath.store import BlockStore

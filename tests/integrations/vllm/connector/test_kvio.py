@@ -11,7 +11,7 @@ import torch
 from dualpath.core.blocks import block_keys
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.pages import LayoutError, paged_kv_bases
-from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.connector.step_plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import HEADER_BYTES, BlockStore
 

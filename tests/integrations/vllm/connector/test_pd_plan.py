@@ -8,7 +8,8 @@ import pytest
 
 from dualpath.core.blocks import block_keys
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.connector.plan import Planner, namespace_key
+from dualpath.integrations.vllm.connector.key_namespace import namespace_key
+from dualpath.integrations.vllm.connector.plan import Planner
 from dualpath.integrations.vllm.manifest import LoadReport, RouteParams
 from dualpath.store import BlockStore
 

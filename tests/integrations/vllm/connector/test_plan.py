@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.blocks import block_keys
-from dualpath.integrations.vllm.connector.plan import (
+from dualpath.integrations.vllm.connector.key_namespace import namespace_key
+from dualpath.integrations.vllm.connector.plan import Planner
+from dualpath.integrations.vllm.connector.step_plan import (
     BACKGROUND_LOAD_THREADS,
-    Planner,
-    namespace_key,
     storage_read_disciplines,
 )
 from dualpath.store import BlockStore
@@ -151,7 +151,7 @@ def test_resumed_request_replaces_its_blocks(tmp_path: Path) -> None:
 def test_model_identity_names_the_weights_not_the_path(tmp_path: Path) -> None:
     """The same weights at two paths (two hosts' mounts) share a namespace; other weights,
     or another config, do not; a hub id is itself."""
-    from dualpath.integrations.vllm.connector.plan import SAMPLE_BYTES, model_identity
+    from dualpath.integrations.vllm.connector.key_namespace import SAMPLE_BYTES, model_identity
 
     def folder(name: str, weights: bytes, config: str = '{"hidden_size": 8}') -> str:
         d = tmp_path / name

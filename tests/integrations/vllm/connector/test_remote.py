@@ -28,19 +28,19 @@ from dualpath.integrations.vllm.connector.async_loader import AsyncLoader
 from dualpath.integrations.vllm.connector.bounce import host_bounce_option
 from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import (
-    BlockTransfer,
-    Push,
-    RemoteLoad,
-    StepPlan,
-    XferLoad,
-)
 from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.cpus import instance_cpus
 from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.step_plan import (
+    BlockTransfer,
+    Push,
+    RemoteLoad,
+    StepPlan,
+    XferLoad,
+)
 from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
@@ -629,7 +629,7 @@ import torch
 from dualpath.core.blocks import block_keys
 from dualpath.store import BlockStore
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import BlockTransfer, Push, RemoteLoad, StepPlan
+from dualpath.integrations.vllm.connector.step_plan import BlockTransfer, Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
 

@@ -20,16 +20,16 @@ from dualpath.core.blocks import block_keys
 from dualpath.integrations.vllm.cluster.ports import free_ports
 from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import (
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
+from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
+from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
+from dualpath.integrations.vllm.connector.step_plan import (
     BlockTransfer,
     Push,
     RemoteLoad,
     StepPlan,
     XferLoad,
 )
-from dualpath.integrations.vllm.connector.remote import PrefillRemote
-from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
-from dualpath.integrations.vllm.connector.side_channel.tcp_server import DecodeSideChannel
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name

@@ -7,13 +7,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import (
+from dualpath.integrations.vllm.connector.remote import PrefillRemote
+from dualpath.integrations.vllm.connector.step_plan import (
     BACKGROUND_LOAD_THREADS,
     BlockTransfer,
     RemoteLoad,
     StepPlan,
 )
-from dualpath.integrations.vllm.connector.remote import PrefillRemote
 
 
 class AsyncLoader:

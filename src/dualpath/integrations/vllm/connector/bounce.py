@@ -23,7 +23,7 @@ import numpy.typing as npt
 import torch
 
 from dualpath.integrations.vllm.connector.fit_pool import FitPool
-from dualpath.integrations.vllm.connector.plan import BACKGROUND_LOAD_THREADS
+from dualpath.integrations.vllm.connector.step_plan import BACKGROUND_LOAD_THREADS
 from dualpath.transport.nixl import NixlAgent, Prepped
 from dualpath.transport.transfer_error import TransferError
 

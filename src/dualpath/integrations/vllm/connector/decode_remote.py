@@ -15,9 +15,9 @@ import torch
 from dualpath.integrations.vllm.connector.digest import matches
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.pages import scatter_pages
-from dualpath.integrations.vllm.connector.plan import StepPlan
 from dualpath.integrations.vllm.connector.side_channel.staging import StagingPool
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
+from dualpath.integrations.vllm.connector.step_plan import StepPlan
 
 
 class Slots(Protocol):

@@ -65,15 +65,9 @@ from dualpath.integrations.vllm.connector.compat import (
     resumed_req_ids,
 )
 from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
+from dualpath.integrations.vllm.connector.key_namespace import model_identity, namespace_key
 from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.plan import (
-    Planner,
-    StepPlan,
-    check_blocks_per_file,
-    default_blocks_per_file,
-    model_identity,
-    namespace_key,
-)
+from dualpath.integrations.vllm.connector.plan import Planner
 from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.scope import request_scope
 from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
@@ -81,6 +75,11 @@ from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
 from dualpath.integrations.vllm.connector.side_channel.service import (
     spawn_side_channel,
     staging_slots,
+)
+from dualpath.integrations.vllm.connector.step_plan import (
+    StepPlan,
+    check_blocks_per_file,
+    default_blocks_per_file,
 )
 from dualpath.integrations.vllm.connector.vllm_metrics import (
     DualPathPromMetrics,
@@ -154,7 +153,7 @@ def _worker_shard(tp_size: int, pp_size: int) -> Shard:
 def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             blocks_per_file: object = None) -> _Layout:
     """The KV's shape and the key namespace; `blocks_per_file`: the extra config's (None:
-    `plan.default_blocks_per_file`)."""
+    `step_plan.default_blocks_per_file`)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"DualPathConnector supports one KV cache group (full attention), "

@@ -6,7 +6,7 @@ A Full Block here is one vLLM block of every attention layer: the layers' pages 
 by side, KV layout LBHNC). Indexing the logical block axis makes this independent of the
 physical stride order: a page is copied through a view, never reinterpreted in place. A store
 file holds `blocks_per_file` (g) of them back to back (block-major: block 0's layers, then
-block 1's, ...; `plan.BlockTransfer.files`), so a file is read with one scatter `preadv`
+block 1's, ...; `step_plan.BlockTransfer.files`), so a file is read with one scatter `preadv`
 straight into the g blocks' pages and written from g consecutive rows of a save buffer; with
 g = 1 a file is one Full Block.
 
@@ -51,7 +51,7 @@ from dualpath.integrations.vllm.connector.pages import (
     scatter_pages,
     wait_for_device,
 )
-from dualpath.integrations.vllm.connector.plan import BlockTransfer, StepPlan
+from dualpath.integrations.vllm.connector.step_plan import BlockTransfer, StepPlan
 from dualpath.integrations.vllm.connector.worker_record import WorkerRecord
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import BlockStore

@@ -19,9 +19,9 @@ import torch
 from dualpath.integrations.vllm.connector.bounce import Bounce, BouncePool
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.pages import paged_kv_bases
-from dualpath.integrations.vllm.connector.plan import RemoteLoad
 from dualpath.integrations.vllm.connector.side_channel.client import SideChannelClient
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
+from dualpath.integrations.vllm.connector.step_plan import RemoteLoad
 from dualpath.transport.nixl import NixlAgent, Pending, Prepped, agent_name
 from dualpath.transport.transfer_error import TransferError
 

@@ -37,13 +37,13 @@ from dualpath.integrations.vllm.connector.digest import block_digests
 from dualpath.integrations.vllm.connector.kvio import KVWorker
 from dualpath.integrations.vllm.connector.pages import gather_pages, scatter_pages, wait_for_device
 from dualpath.integrations.vllm.connector.peers import DecodePeers, Indices
-from dualpath.integrations.vllm.connector.plan import Push, RemoteLoad, StepPlan
 from dualpath.integrations.vllm.connector.side_channel.wire import (
     SideChannelError,
     Stage,
     Staged,
 )
 from dualpath.integrations.vllm.connector.staged_pull import STAGE_PIECES, pull_whole
+from dualpath.integrations.vllm.connector.step_plan import Push, RemoteLoad, StepPlan
 from dualpath.transport.nixl import Pending
 from dualpath.transport.transfer_error import TransferError
 

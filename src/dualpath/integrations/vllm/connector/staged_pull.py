@@ -13,12 +13,12 @@ import torch
 
 from dualpath.integrations.vllm.connector.pages import scatter_pages
 from dualpath.integrations.vllm.connector.peers import DecodePeers
-from dualpath.integrations.vllm.connector.plan import RemoteLoad
 from dualpath.integrations.vllm.connector.side_channel.wire import (
     SideChannelError,
     Stage,
     Staged,
 )
+from dualpath.integrations.vllm.connector.step_plan import RemoteLoad
 from dualpath.transport.transfer_error import TransferError
 
 STAGE_PIECES = 4
