@@ -41,6 +41,8 @@ CACHE = REPO / ".cache" / "dualpath" / "gpu-kit"
 KIT = Path(os.environ.get("DUALPATH_GPU_KIT", "/tmp/dualpath-gpu-kit"))
 """The GPU machine's kit folder (kept between calls while the machine stays warm)."""
 MODEL_CONFIG = HERE / "llama-3b-shape.json"
+LOCK = HERE / "kit-lock.json"
+"""The wheels staged, pinned with their sha256 (`stage --resolve` writes it anew)."""
 IMAGE = HERE / "image_packages.txt"
 TRANSFER_BYTES = 64 << 20
 """What one device call may carry: the working tree and the carried paths together."""
@@ -48,13 +50,16 @@ MARGIN_BYTES = 4 << 20
 VLLM = "vllm==0.26.0"
 EXTRA = ("crc32c==2.9.post0", "httpx2==2.16.2", "nixl==1.5.1", "nixl-cu13==1.5.1")
 """What dualpath needs beside vLLM there: the store's checksums, the router's client, NIXL."""
+_OTHER_KERNELS = ("flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "quack-kernels",
+                  "tokenspeed-mla", "humming-kernels", "pynvvideocodec", "torchcodec",
+                  "fastsafetensors", "nvidia-cudnn-frontend", "nvtx")
 NOT_CARRIED = {
-    "flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
-    "humming-kernels", "pynvvideocodec", "torchcodec", "fastsafetensors",
-    "nvidia-cudnn-frontend", "nvtx", "nixl-cu12"}
-"""vLLM 0.26's requirements for other attention backends and kernels (module-level imports of
-them are in those backends' modules only) and NIXL's CUDA 12 build: left out to keep the
-transfers few."""
+    **dict.fromkeys(_OTHER_KERNELS, "other attention backends, kernels and media: vLLM 0.26 "
+                                    "imports them in those modules only"),
+    "mistral-common": "Mistral tokenizers only (imported where one is used); it needs numpy "
+                      "< 2.4, the image has 2.5.2",
+    "nixl-cu12": "NIXL's CUDA 12 build (the image is CUDA 13: nixl-cu13 travels)"}
+"""vLLM's requirements left out, and why: the transfers stay few."""
 IMAGE_KEEPS = {"numba": "vLLM pins 0.65.0, which needs an older numpy than the image's 2.5.2; "
                         "only the n-gram speculative decoder imports it"}
 """Requirements of vLLM the image's own version stands for."""
@@ -136,7 +141,7 @@ def resolve(image: dict[str, str | None]) -> list[dict[str, Any]]:
         constraints.write_text("\n".join(pins) + "\n")
         # NOT_CARRIED by a constraint no release meets would fail: resolve without them by
         # giving vLLM's other requirements by hand.
-        reqs = _requirements_without(VLLM, NOT_CARRIED | set(IMAGE_KEEPS)
+        reqs = _requirements_without(VLLM, set(NOT_CARRIED) | set(IMAGE_KEEPS)
                                      | {"torch", "torchaudio", "torchvision"})
         report = Path(tmp) / "report.json"
         proc = subprocess.run(
@@ -159,21 +164,21 @@ def resolve(image: dict[str, str | None]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda x: x["name"])
 
 
-def _vllm_wheel() -> Path:
-    folder = CACHE / "wheels"
-    found = sorted(folder.glob("vllm-0.26.0-*x86_64.whl"))
-    if not found:
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET,
-                        "-d", str(folder), VLLM], check=True)
-        found = sorted(folder.glob("vllm-0.26.0-*x86_64.whl"))
-    return found[0]
-
-
 def _vllm_entry() -> dict[str, Any]:
-    wheel = _vllm_wheel()
-    return {"name": "vllm", "version": "0.26.0", "url": "", "sha256": sha256(wheel),
-            "file": wheel.name}
+    """vLLM 0.26.0's x86-64 wheel on PyPI: its URL and the index's sha256."""
+    name, version = VLLM.split("==")
+    req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.loads(r.read())["files"]
+    f = next(f for f in files if f["filename"].startswith(f"{name}-{version}-")
+             and f["filename"].endswith("manylinux_2_28_x86_64.whl"))
+    return {"name": name, "version": version, "url": f["url"].split("#")[0],
+            "sha256": f["hashes"]["sha256"]}
+
+
+def _vllm_wheel() -> Path:
+    return fetch([_vllm_entry()], CACHE / "wheels")[0]
 
 
 def _requirements_without(spec: str, drop: set[str]) -> list[str]:
@@ -198,10 +203,17 @@ def fetch(items: list[dict[str, Any]], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for item in items:
-        path = folder / (item.get("file") or item["url"].rsplit("/", 1)[1].split("#")[0])
+        path = folder / item["url"].rsplit("/", 1)[1].split("#")[0]
         if not path.is_file() or sha256(path) != item["sha256"]:
             tmp = path.with_suffix(".part")
-            urllib.request.urlretrieve(item["url"], tmp)
+            try:
+                urllib.request.urlretrieve(item["url"], tmp)
+            except OSError:  # a local mirror's file:// URL elsewhere: the index has the file
+                with tempfile.TemporaryDirectory() as d:
+                    subprocess.run([sys.executable, "-m", "pip", "download", "-q",
+                                    "--no-deps", *TARGET, "-d", d,
+                                    f"{item['name']}=={item['version']}"], check=True)
+                    shutil.move(str(Path(d) / path.name), tmp)
             if sha256(tmp) != item["sha256"]:
                 raise SystemExit(f"stage: {path.name}: sha256 differs from the index's")
             tmp.replace(path)
@@ -353,6 +365,8 @@ def main() -> int:
     sub = ap.add_subparsers(dest="step", required=True)
     st = sub.add_parser("stage", help="resolve, fetch, pack, split, check here")
     st.add_argument("--out", type=Path, default=CACHE / "parts")
+    st.add_argument("--resolve", action="store_true", help="resolve the packages anew and "
+                    "rewrite kit-lock.json (default: the lock's)")
     st.add_argument("--chunk-mib", type=int, help="part size (default: what a transfer "
                     "leaves beside this working tree)")
     bd = sub.add_parser("bundle", help="pack and split given wheels and a model folder")
@@ -396,7 +410,9 @@ def main() -> int:
     if chunk > chunk_limit():
         ap.error(f"--chunk-mib {args.chunk_mib}: a transfer leaves {chunk_limit() >> 20} MiB "
                  "beside this working tree")
-    items = resolve(image_packages())
+    if args.resolve or not LOCK.is_file():
+        LOCK.write_text(json.dumps(resolve(image_packages()), indent=1) + "\n")
+    items = json.loads(LOCK.read_text())
     wheels = fetch(items, CACHE / "wheels")
     with tempfile.TemporaryDirectory(prefix="dualpath-stage-") as tmp:
         model = model_folder(Path(tmp) / "model")
