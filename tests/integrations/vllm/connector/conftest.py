@@ -1,7 +1,7 @@
 """Where the connector tests put vLLM's paged KV: the host by default, a GPU with
-`DUALPATH_TEST_DEVICE=cuda` (benchmarks/gpu_check.py's `unit` step runs these tests so on a
-GPU node: the CUDA copies, events, pinned staging and NIXL's VRAM registration the CPU never
-takes). CI has no GPU and runs them on the host."""
+`DUALPATH_TEST_DEVICE=cuda` (benchmarks/vllm/gpu_check/gpu_check.py's `unit` step runs these
+tests so on a GPU node: the CUDA copies, events, pinned staging and NIXL's VRAM registration
+the CPU never takes). CI has no GPU and runs them on the host."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What `DualPathConnector` declares to vLLM, checked through vLLM's own config logic (CPU; the
-GPU paths these settings steer are `benchmarks/gpu_check.sh`'s). Needs vllm: runs in
-`.venv-vllm` (`make vllm-test`), skipped in `.venv`."""
+GPU paths these settings steer are `benchmarks/vllm/gpu_check/gpu_check.sh`'s). Needs vllm:
+runs in `.venv-vllm` (`make vllm-test`), skipped in `.venv`."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_vllms_own_kv_views_of_a_70b_rank_give_raw_pages(tp: int) -> None:
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from dualpath.integrations.vllm.connector.kvio import LayoutError, paged_kv_bases
+    from dualpath.integrations.vllm.connector.pages import LayoutError, paged_kv_bases
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=128,
                              dtype=torch.bfloat16)
