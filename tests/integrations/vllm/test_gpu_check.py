@@ -164,3 +164,34 @@ def test_a_part_fits_a_device_transfer_beside_the_working_tree() -> None:
     limit = stage.chunk_limit()
     assert limit + stage.tree_bytes() + stage.MARGIN_BYTES <= 64 << 20
     assert limit >= 8 << 20 and limit % (1 << 20) == 0
+
+
+def _check_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_kit_check", KIT / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pd_steps_rates_and_load_checks_come_from_the_demos_summary(tmp_path: Path
+                                                                       ) -> None:
+    """A 16-token block of the kit's model is 28 layers x K and V x 8 heads x 128 x 2 bytes x
+    16; each path's rate is the hit's bytes over its prefill request; a path that loaded
+    nothing fails its check."""
+    gc = _check_module()
+    (tmp_path / "config.json").write_bytes((KIT / "llama-3b-shape.json").read_bytes())
+    assert gc.block_bytes(str(tmp_path), 16, "float16") == 28 * 2 * 8 * 128 * 2 * 16 \
+        == 1_835_008
+    summary = {"hit_blocks": 40, "block_size": 16,
+               "runs": {"recompute": {"prefill_s": 0.5, "prefill_cached": 0},
+                        "pe": {"prefill_s": 0.2, "prefill_cached": 640},
+                        "de": {"prefill_s": 0.4, "prefill_cached": 640}},
+               "pulls": [{"ok": 40, "blocks": 40}]}
+    out = gc.pd_result(summary, 1_835_008)
+    assert out["gb_per_s"] == {"pe": round(40 * 1_835_008 / 0.2 / 1e9, 2),
+                               "de": round(40 * 1_835_008 / 0.4 / 1e9, 2)}
+    assert all(out["extra_checks"].values())
+    summary["pulls"] = [{"ok": 0, "blocks": 40}]
+    summary["runs"]["pe"]["prefill_cached"] = 0
+    assert not any(gc.pd_result(summary, 1_835_008)["extra_checks"].values())
