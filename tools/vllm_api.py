@@ -40,10 +40,21 @@ CACHE = REPO / ".cache" / "dualpath" / "vllm-releases"
 INDEX = "https://pypi.org/simple/vllm/"
 VERSIONS = ("0.26.0", "0.28.0", "0.30.0", "0.32.0", "0.33.0", "0.34.0")
 INTEGRATION = REPO / "src" / "dualpath" / "integrations" / "vllm"
-CONNECTOR_FILES = ("connector/dualpath_connector.py", "connector/vllm_metrics.py",
-                   "connector/compat.py", "connector/scope.py", "plugin.py")
-"""The connector's modules that import vllm (`connector/paced_fs_tier.py` is the stock
-baseline's, for vLLM 0.32's filesystem tier only)."""
+NOT_CHECKED = ("connector/paced_fs_tier.py",)
+"""The stock baseline's filesystem tier, written for vLLM 0.32's alone."""
+
+
+def connector_files() -> list[Path]:
+    """The connector's modules that import vllm (anywhere in them), less `NOT_CHECKED`, and
+    the plugin that registers it."""
+    out = []
+    for path in [*sorted((INTEGRATION / "connector").rglob("*.py")), INTEGRATION / "plugin.py"]:
+        if path.relative_to(INTEGRATION).as_posix() in NOT_CHECKED:
+            continue
+        if any(isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "vllm"
+               for n in ast.walk(ast.parse(path.read_text("utf-8")))):
+            out.append(path)
+    return out
 
 USED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.config.VllmConfig": ("model_config", "parallel_config"),
@@ -326,7 +337,7 @@ class Surface:
 
 def surface(files: list[Path] | None = None) -> Surface:
     out = Surface()
-    for path in files or [INTEGRATION / f for f in CONNECTOR_FILES]:
+    for path in files or connector_files():
         tree = ast.parse(path.read_text("utf-8"))
         local: dict[str, Import] = {}
         _collect_imports(tree, path.name, "runtime", local, out)

@@ -50,18 +50,25 @@ def test_the_connector_fits_the_api_of(version: str) -> None:
 def test_a_mismatch_is_named_with_its_method_and_release(tmp_path: Path) -> None:
     """An override whose parameter is renamed, a dropped override and an import of a name a
     release lacks are each reported, per release."""
-    files = [tmp_path / Path(name).name for name in api.CONNECTOR_FILES]
-    for name, f in zip(api.CONNECTOR_FILES, files, strict=True):
-        shutil.copy(api.INTEGRATION / name, f)
-    conn = files[0]
-    text = conn.read_text()
-    text = text.replace("def get_finished(self, finished_req_ids: set[str])",
-                        "def get_finished(self, ids: set[str])")
-    text = text.replace("def requires_kv_delivery(self)", "def _requires_kv_delivery(self)")
-    text = text.replace("from vllm.logger import init_logger",
-                        "from vllm.logger import init_logger\n"
-                        "from vllm.v1.metrics.cache_hit_source import CacheHitSource")
-    conn.write_text(text)
+    files = []
+    for path in api.connector_files():
+        files.append(tmp_path / path.relative_to(api.INTEGRATION).as_posix().replace("/", "_"))
+        shutil.copy(path, files[-1])
+    replaced = dict.fromkeys((
+        ("def get_finished(self, finished_req_ids: set[str])",
+         "def get_finished(self, ids: set[str])"),
+        ("def requires_kv_delivery(self)", "def _requires_kv_delivery(self)"),
+        ("from vllm.logger import init_logger",
+         "from vllm.logger import init_logger\n"
+         "from vllm.v1.metrics.cache_hit_source import CacheHitSource")), 0)
+    for f in files:
+        text = f.read_text()
+        for old, new in replaced:
+            if old in text:
+                text = text.replace(old, new)
+                replaced[(old, new)] += 1
+        f.write_text(text)
+    assert all(n == 1 for n in replaced.values()), replaced
     ours = api.surface(files)
     for v in VERSIONS:
         errors = "\n".join(api.check(SNAPSHOT["versions"][v], ours)[0])
