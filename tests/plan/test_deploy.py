@@ -10,9 +10,17 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli.main import build_parser, main
+from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
-from dualpath.plan.deploy import deployment, render
+from dualpath.core.hardware import hardware_preset
+from dualpath.core.model import model_from_hf_config, model_preset
+from dualpath.core.units import GB
+from dualpath.plan.deploy import deployment, render, staging_of
 from dualpath.plan.runner import mal_tokens
+from dualpath.plan.setups import setup
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+QWEN_2P1D_TP2 = ClusterSpec(hardware_preset("dgx-h100"), model_preset("qwen2.5-32b"), 2, 1, 2)
 
 
 def _server_args(command: str) -> tuple[dict[str, str], argparse.Namespace]:
@@ -29,8 +37,8 @@ def _server_args(command: str) -> tuple[dict[str, str], argparse.Namespace]:
 
 
 def test_every_instance_and_the_router_parse() -> None:
-    launches = deployment(2, 1, 8, model="/models/m", store="/mnt/kv", mode="dualpath",
-                          tensor_parallel_size=2, storage_gbps=400)
+    launches = deployment(QWEN_2P1D_TP2, model="/models/m", store="/mnt/kv",
+                          mode="dualpath").launches
     servers = [x for x in launches if x.role != "router"]
     assert [x.role for x in servers].count("prefill") == 2 * 4
     assert [x.role for x in servers].count("decode") == 4
@@ -54,19 +62,61 @@ def test_every_instance_and_the_router_parse() -> None:
     assert ns.prefill == [x.url for x in servers if x.role == "prefill"]
     assert ns.decode == [x.url for x in servers if x.role == "decode"]
     assert ns.side == [x.side_channel for x in servers if x.role == "decode"]
-    assert ns.store == "/mnt/kv" and ns.mode == "dualpath" and ns.storage_gbps == 400
-    text = render(launches)
+    assert ns.store == "/mnt/kv" and ns.mode == "dualpath"
+    assert ns.storage_nic_gb_per_s == QWEN_2P1D_TP2.hardware.storage_nic_bytes_per_s / GB
+    text = render(deployment(QWEN_2P1D_TP2, model="/models/m", store="/mnt/kv"))
     assert text.count("\n# on ") + 1 == len(launches)
+    assert "# why these settings:" in text and "--no-enable-prefix-caching: " in text
 
 
 def test_a_mode_the_router_lacks_routes_as_dualpath() -> None:
-    route = shlex.split(deployment(1, 1, 1, model="m", store="s", mode="oracle")[-1].command)
+    plan = deployment(QWEN_2P1D_TP2, model="m", store="s", mode="oracle")
+    route = shlex.split(plan.launches[-1].command)
     assert route[route.index("--mode") + 1] == "dualpath"
 
 
 def test_tensor_parallel_must_divide_a_node() -> None:
     with pytest.raises(SpecError, match="tensor_parallel_size"):
-        deployment(1, 1, 8, model="m", store="s", tensor_parallel_size=3)
+        ClusterSpec(hardware_preset("h200"), model_preset("qwen2.5-32b"), 1, 1, 3)
+
+
+def test_staging_holds_the_plans_buffer_or_at_least_one_longest_prompt() -> None:
+    llama = model_from_hf_config(CONFIGS / "llama-70b.json")  # 320 KiB of KV a token
+    tp8 = ClusterSpec(hardware_preset("h200"), llama, 1, 2, 8)
+    s = staging_of(tp8, 65536)
+    # 80 GB of DE buffer over 8 GPUs: 10 GB a rank, 3 prompts of 21.5 GB (2.7 GB a rank).
+    assert s.gb_per_rank == 10.0 and "room for 3 prompt(s) of 65,536 tokens" in s.why
+    small = ClusterSpec(hardware_preset("h200").with_overrides(dram_buffer_bytes=8 * GB),
+                        llama, 1, 1, 8)
+    assert staging_of(small, 65536).gb_per_rank == pytest.approx(2.7)
+
+
+def test_advise_prints_the_cluster_it_simulated(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The dense 70B on TP-8 H200 nodes: the commands run the engines the plan simulated
+    (instances per node, GPUs and tensor-parallel size per instance), on its store, with the
+    staging buffer sized from the plan."""
+    code = main(["advise", "--model-config", str(CONFIGS / "llama-70b.json"), "--hardware",
+                 "h200", "--tensor-parallel-size", "8", "--pd", "1P2D", "--modes", "dualpath",
+                 "--trace", "32k", "--mal", "8192", "--quick", "--duration", "30", "--steps",
+                 "0", "--jobs", "1", "--quiet", "--out", str(tmp_path), "--vllm-model",
+                 "/models/llama-70b", "--store", "/kv"])
+    out = capsys.readouterr().out
+    assert code == 0
+    cluster = setup(f"cluster:{(tmp_path / 'cluster.json').resolve()}").cluster(1, 2)
+    assert (cluster.tensor_parallel_size, cluster.engines_per_node) == (8, 1)
+    servers = [line for line in out.splitlines() if "vllm.entrypoints" in line]
+    assert len(servers) == cluster.num_nodes * cluster.engines_per_node
+    for line in servers:
+        env, args = _server_args(line)
+        assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == cluster.tensor_parallel_size
+        assert args.tensor_parallel_size == str(cluster.tensor_parallel_size)
+        assert args.max_model_len == "8192" and args.model == "/models/llama-70b"
+        extra = json.loads(args.kv_transfer_config)["kv_connector_extra_config"]
+        assert extra["store_path"] == "/kv" and extra["durable"] is True
+        if "kv_consumer" in line:
+            assert extra["staging_gb"] == staging_of(cluster, 8192).gb_per_rank
+    assert "# why these settings:" in out and "staging_gb 10 (per rank)" in out
 
 
 def test_a_vllm_profile_deploys_the_engine_it_measured(tmp_path: Path,

@@ -18,14 +18,18 @@ class WorkloadArgsError(DualPathError, ValueError):
 
 
 def add_workload_args(parser: argparse.ArgumentParser, default_agents: int = 64,
-                      with_turn_shape: bool = False) -> argparse._ArgumentGroup:
+                      with_turn_shape: bool = False,
+                      is_arrival_searched: bool = False) -> argparse._ArgumentGroup:
     """--trace, --agents, --mal, --append-scale, --gen-scale, --trajectories, --mooncake and,
-    with `with_turn_shape`, --hit-ratio/--append-tokens/--gen-tokens."""
+    with `with_turn_shape`, --hit-ratio/--append-tokens/--gen-tokens. With
+    `is_arrival_searched` (advise, which searches the agents' arrival rate), no --agents or
+    --mooncake (a trace that sets its own arrivals)."""
     w = parser.add_argument_group("workload")
     w.add_argument("--trace", default="64k", choices=TRACES,
                    help="Table-2 agent trace (default: %(default)s)")
-    w.add_argument("--agents", type=int, default=default_agents,
-                   help="agents (default: %(default)s)")
+    if not is_arrival_searched:
+        w.add_argument("--agents", type=int, default=default_agents,
+                       help="agents (default: %(default)s)")
     w.add_argument("--mal", type=int, metavar="TOKENS", help="truncate trajectories at this MAL")
     w.add_argument("--append-scale", type=float, default=1.0, help="scale every append length")
     w.add_argument("--gen-scale", type=float, default=1.0, help="scale every generation length")
@@ -33,9 +37,10 @@ def add_workload_args(parser: argparse.ArgumentParser, default_agents: int = 64,
                    help="the first --agents trajectories of this trajectory JSONL file "
                    "(scaled and truncated by --append-scale, --gen-scale, --mal) instead of "
                    "Table-2 agents")
-    w.add_argument("--mooncake", metavar="PATH",
-                   help="a Mooncake-format trace (its requests by their timestamps) instead of "
-                   "agents")
+    if not is_arrival_searched:
+        w.add_argument("--mooncake", metavar="PATH",
+                       help="a Mooncake-format trace (its requests by their timestamps) "
+                       "instead of agents")
     if with_turn_shape:
         w.add_argument("--hit-ratio", type=float, metavar="R",
                        help="one turn shape instead of a trace: the share of each prompt "

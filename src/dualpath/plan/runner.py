@@ -132,9 +132,13 @@ class RunSpec:
             params = replace(own, prefill_ep_engines=params.prefill_ep_engines,
                              decode_ep_engines=params.decode_ep_engines,
                              storage_read=params.storage_read or own.storage_read)
+        trace, cap = mal_tokens(self.mal)
+        made = s.workload(trace, cap, self.num_agents, self.seed, params.block_size_tokens)
+        workload = made if made is not None else _workload(
+            self.mal, self.num_agents, self.append_factor, self.gen_factor, self.seed,
+            params.block_size_tokens)
         return SimConfig(
-            cluster, _workload(self.mal, self.num_agents, self.append_factor, self.gen_factor,
-                               self.seed, params.block_size_tokens),
+            cluster, workload,
             mode=mode_preset(self.mode), driver=driver, seed=self.seed,
             cost_overrides=self.cost_overrides, params=params,
             scheduler_overrides=self.scheduler_overrides, **extra,

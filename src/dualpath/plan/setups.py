@@ -16,6 +16,7 @@ from dualpath.core.hardware import hardware_preset
 from dualpath.core.model import model_preset
 from dualpath.core.units import GB
 from dualpath.plan.step_profile import Profile, load_profile
+from dualpath.sim.workload import Workload
 
 HARDWARE = "h800-deepseek"
 """The paper's node: 8 Hopper GPUs, 8 x 400 Gb/s compute NICs, one 400 Gb/s storage NIC."""
@@ -54,6 +55,11 @@ class Setup:
     def sim_kwargs(self) -> dict[str, Any]:
         """`SimConfig` fields this setup sets beyond the cluster (none: the roofline model)."""
         return {}
+
+    def workload(self, trace: str, max_len_tokens: int, num_agents: int, seed: int,
+                 block_size: int) -> Workload | None:
+        """Agents of this setup's own making (None: the Table-2 agents of `trace`)."""
+        return None
 
 
 PROFILE_PREFIX = "profile:"
@@ -95,8 +101,13 @@ SETUPS: dict[str, Setup] = {
 
 def setup(name: str) -> Setup:
     """The named setup, or `MODEL@HARDWARE` for any model and node preset at 1P1D (its
-    hardware's DRAM buffer), or `profile:FILE` for a profiled engine's cluster at 1P1D;
+    hardware's DRAM buffer), or `profile:FILE` for a profiled engine's cluster at 1P1D, or
+    `cluster:FILE` for a user's cluster and workload (`plan.user_setup`);
     UnknownPresetError lists the valid names."""
+    if name.startswith("cluster:"):
+        from dualpath.plan.user_setup import user_setup  # it builds on this module
+
+        return user_setup(name)
     if name.startswith(PROFILE_PREFIX):
         path = name[len(PROFILE_PREFIX):]
         prof = _profile(path)

@@ -10,8 +10,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dualpath.cli.common import add_storage_read_arg, storage_read_from_args
+from dualpath.cli.common import (
+    add_cluster_args,
+    add_storage_read_arg,
+    cluster_from_args,
+    refuse_flags,
+    storage_read_from_args,
+)
+from dualpath.cli.workload_args import add_workload_args
 from dualpath.core.errors import DualPathError
+from dualpath.core.hardware import hardware_preset
 from dualpath.plan.advise import advise, storage_words
 from dualpath.plan.deploy import deployment, render
 from dualpath.plan.ray_backend import RAY_HELP, join
@@ -19,6 +27,8 @@ from dualpath.plan.runner import Runner, RunSpec, mal_tokens
 from dualpath.plan.section import Context, section_markdown
 from dualpath.plan.setups import HARDWARE, PROFILE_PREFIX, SETUPS, setup
 from dualpath.plan.step_profile import load_profile
+from dualpath.plan.user_setup import WorkloadSpec, write_user_setup
+from dualpath.sched.cost import coefficients_for
 from dualpath.sim import MODE_PRESETS, SimResult, mode_preset
 
 
@@ -29,20 +39,19 @@ class AdviseArgsError(DualPathError, ValueError):
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "advise",
-        help="recommend a P/D ratio and mode for a model, hardware and trace (simulated)",
+        help="recommend a P/D ratio and mode for your model, hardware and trace (simulated), "
+        "and print the commands that deploy it",
         description=(
             "For each P/D and mode, find the highest agent arrival rate (APS) that meets the "
             "SLO (mean TTFT <= 4 s, mean TPOT <= 50 ms) in online simulations; rank by APS per "
-            "GPU; print the recommendation, the runner-up and each configuration's bottleneck."
+            "GPU; print the recommendation, the runner-up and each configuration's bottleneck, "
+            "then the vLLM and router commands that run the recommended cluster as simulated "
+            "(its engines, tensor-parallel size and staging buffers), each non-default setting "
+            "with its reason. The cluster and workload options are simulate's."
         ),
     )
-    p.add_argument("--model", default="ds-27b", help="model preset (default: %(default)s)")
-    p.add_argument("--hardware", default=HARDWARE, help="node preset (default: %(default)s)")
-    p.add_argument("--trace", default="64k", choices=("32k", "48k", "64k"),
-                   help="Table-2 trace (default: %(default)s)")
-    p.add_argument("--mal", type=int, metavar="TOKENS",
-                   help="cut each trajectory at TOKENS (default: the trace's MaxLen; with a "
-                   "vLLM --profile, the profiled server's max_model_len)")
+    add_cluster_args(p, default_model="ds-27b", default_hardware=HARDWARE, with_nodes=False)
+    add_workload_args(p, is_arrival_searched=True)
     p.add_argument("--pd", default="1P1D,2P1D,1P2D", metavar="LIST",
                    help="P/D configurations in nodes, e.g. 1P1D,2P1D (default: %(default)s)")
     p.add_argument("--modes", default="basic,dualpath", metavar="LIST",
@@ -52,7 +61,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--duration", type=float, default=0.0, metavar="S",
                    help="simulated seconds per online run (default: 600 quick, 7,200 full)")
     p.add_argument("--out", type=Path, default=Path("advise_out"),
-                   help="folder for advise.csv and section_advise.md (default: %(default)s)")
+                   help="folder for advise.csv, section_advise.md and the planned cluster's "
+                   "cluster.json (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=0, metavar="N",
                    help="capacity searches run in N processes (default: the machine's cores); "
                    "results are identical to a serial run")
@@ -62,7 +72,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--profile", metavar="FILE",
                    help="simulate the engine measured by `dualpath profile` (this file): its "
                    "step costs instead of the roofline model, its model and run configuration "
-                   "(--model and --hardware are not used)")
+                   "(the cluster options are not used)")
     d = p.add_argument_group("deployment commands printed for the recommendation")
     d.add_argument("--vllm-model", default="MODEL_DIR", metavar="DIR",
                    help="the model folder each vLLM server loads (default: %(default)s)")
@@ -71,9 +81,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.add_argument("--vllm-python", default="python3", metavar="EXE",
                    help="the interpreter of the venv with vLLM on the nodes (default: "
                    "%(default)s)")
-    d.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="GPUs per vLLM instance (default: %(default)s: one per GPU)")
+    refuse_flags(p, {
+        "--agents": "advise searches the agents' arrival rate (APS) itself; it takes no "
+                    "--agents",
+        "--online-aps": "advise searches the APS itself; simulate --online-aps runs one",
+        "--max-duration": "advise spells it --duration",
+        "--mooncake": "a Mooncake trace sets its own arrivals, and advise searches them: "
+                      "dualpath simulate --mooncake replays one",
+    })
     p.set_defaults(func=run)
+
+
+def _setup_name(args: argparse.Namespace, pd: tuple[int, int]) -> str:
+    """The planning setup of the cluster and workload options: a paper setup or a preset pair
+    where the options name nothing more, else the user's own (`plan.user_setup`), written to
+    `--out`/cluster.json."""
+    cluster = cluster_from_args(args, *pd)
+    workload = WorkloadSpec(str(Path(args.trajectories).resolve()) if args.trajectories else "",
+                            args.append_scale, args.gen_scale)
+    is_preset = (not args.model_config and cluster.tensor_parallel_size == 1
+                 and cluster.hardware == hardware_preset(args.hardware) and workload.is_default)
+    if is_preset:
+        known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
+        return known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
+    return write_user_setup(args.out / "cluster.json", cluster, workload)
 
 
 _PD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
@@ -106,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
         setup(name)  # reads and checks the file now: a bad one is one line naming the field
         prof = load_profile(args.profile)
     else:
-        known = {(s.model, s.hardware): s.name for s in SETUPS.values()}
-        name = known.get((args.model, args.hardware), f"{args.model}@{args.hardware}")
+        name = _setup_name(args, pds[0])
 
     runner = Runner(jobs=args.jobs or os.cpu_count() or 1, progress=not args.quiet)
 
@@ -158,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"             {c.label}: {c.capacity_text} APS ({1e3 * c.aps_per_gpu:.2f} "
               f"mAPS/GPU); bottleneck: {c.bottleneck}")
     print(f"wrote {md} and {ctx.path('advise.csv')}")
-    hw = setup(name).cluster(best.num_prefill_nodes, best.num_decode_nodes).hardware
+    cluster = setup(name).cluster(best.num_prefill_nodes, best.num_decode_nodes)
     # A vLLM profile's engine settings are those of the server measured: its commands run
     # the engine the plan was simulated with.
     measured: dict[str, Any] = {}
@@ -169,14 +199,18 @@ def run(args: argparse.Namespace) -> int:
             measured["cuda_graphs"] = not engine["enforce_eager"]
         measured["staging_blocks"] = max(1, round(prof.run["dram_buffer_bytes"] / (
             prof.run["block_size"] * prof.model["kv_bytes_per_token"])))
-    launches = deployment(best.num_prefill_nodes, best.num_decode_nodes, hw.gpus_per_node,
-                          model=args.vllm_model, store=args.store, mode=best.mode,
-                          python=args.vllm_python,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          storage_gbps=hw.storage_nic_bytes_per_s * 8 / 1e9, **measured)
-    print(f"\ndeploy {best.label} (replace prefill-N / decode-N with your hosts' names; every "
-          f"node and the router mount the block store at {args.store}):")
-    print(render(launches))
+    else:
+        seqs = coefficients_for(cluster.model, cluster.engine_hardware).max_seqs_per_decode_engine
+        measured = {"max_model_len": mal_tokens(trace)[1], "max_num_seqs": seqs}
+    plan = deployment(cluster, model=args.vllm_model, store=args.store, mode=best.mode,
+                      python=args.vllm_python,
+                      context_why=f"the longest context the plan simulated (trace {trace})",
+                      **measured)
+    print(f"\ndeploy {best.label} as simulated: {cluster.num_nodes} nodes of "
+          f"{cluster.hardware.gpus_per_node} GPUs, {cluster.engines_per_node} engine(s) per node "
+          f"(replace prefill-N / decode-N with your hosts' names; every node and the router "
+          f"mount the block store at {args.store}):")
+    print(render(plan))
     if runner.ray is not None:
         print(f"simulated {len(runner.log)} runs on Ray: {runner.where() or 'none'}")
     for f in runner.failures:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 from dualpath.cli.commands.serve import API_KEY_ENV
+from dualpath.cli.common import GB_PER_S, refuse_flags, renamed
 from dualpath.core.errors import SpecError
 from dualpath.http import LOG_LEVELS
 from dualpath.integrations.vllm.router.policy import (
@@ -63,10 +64,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--force-read-side", choices=("pe", "de"), help="read every hit on this "
                    "side whatever the mode chose (a diagnostic: shows one path alone)")
     s.add_argument("--alpha-tokens", type=float, metavar="T", help="a node's read queue is "
-                   "short while at most T tokens (default: 3 s of --storage-gbps reads)")
-    s.add_argument("--storage-gbps", type=float, default=DEFAULT_STORAGE_GBPS, metavar="G",
-                   help="one node's storage NIC rate, Gb/s, for the default alpha "
-                   "(default: %(default)s)")
+                   "short while at most T tokens (default: 3 s of --storage-nic-gb-per-s "
+                   "reads)")
+    s.add_argument("--storage-nic-gb-per-s", type=float, default=DEFAULT_STORAGE_GBPS / 8,
+                   metavar=GB_PER_S, help="one node's storage NIC rate, in GB/s (400 Gb/s = "
+                   "50), for the default alpha (default: %(default)s)")
+    refuse_flags(p, {"--storage-gbps": renamed("--storage-nic-gb-per-s", "Gb/s", "GB/s: "
+                                               "divide by 8")})
     s.add_argument("--beta-tokens", type=float, default=DEFAULT_BETA_TOKENS, metavar="T",
                    help="a prefill instance with more than T prompt tokens in flight takes no "
                    "more (paper: 5 s of its work; default: %(default)s)")
@@ -118,7 +122,8 @@ def route(args: argparse.Namespace) -> int:
                         "DualPathConnector (store_path = this folder) first") from None
     kv_per_token = manifest.full_block_bytes / manifest.block_size
     params, _ = route_params(args.mode, manifest.block_size, kv_per_token,
-                             args.alpha_tokens, args.beta_tokens, args.storage_gbps)
+                             args.alpha_tokens, args.beta_tokens,
+                             args.storage_nic_gb_per_s * 8)
     cfg = RouterConfig(
         prefill=tuple(u.rstrip("/") for u in args.prefill),
         decode=tuple(u.rstrip("/") for u in args.decode), sides=tuple(args.side),
