@@ -52,7 +52,7 @@ def test_a_mismatch_is_named_with_its_method_and_release(tmp_path: Path) -> None
     release lacks are each reported, per release."""
     files = []
     for path in api.connector_files():
-        files.append(tmp_path / path.relative_to(api.INTEGRATION).as_posix().replace("/", "_"))
+        files.append(tmp_path / path.name)
         shutil.copy(path, files[-1])
     replaced = dict.fromkeys((
         ("def get_finished(self, finished_req_ids: set[str])",
