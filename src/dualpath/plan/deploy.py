@@ -86,12 +86,13 @@ def deployment(
     cluster: ClusterSpec, *, model: str, store: str, mode: str = "dualpath",
     python: str = "python3", max_model_len: int = 65536, max_num_seqs: int = 0,
     dtype: str = "auto", cuda_graphs: bool = True, staging_blocks: int | None = None,
-    context_why: str = "",
+    context_why: str = "", measured_tp: int = 0,
 ) -> Deployment:
     """Every vLLM server of `cluster` (an instance per engine), then the router (on `router`,
     a host of its own or any of them). `max_num_seqs` 0: the plan's sequence cap, else vLLM's
-    default; `staging_blocks`: a measured engine's buffer (None: `staging_of` the plan)."""
-    tp = cluster.tensor_parallel_size
+    default; `staging_blocks`, `measured_tp`: a profiled engine's buffer and GPUs (its
+    simulated cluster counts the engine as one device; None and 0: the plan's)."""
+    tp = measured_tp or cluster.tensor_parallel_size
     seqs = max_num_seqs or VLLM_MAX_NUM_SEQS
     spec = VllmClusterSpec(model=model, store=Path(store), python=python,
                            num_prefill=cluster.num_prefill_nodes,
@@ -131,10 +132,13 @@ def deployment(
               "--storage-nic-gb-per-s", f"{snic_gb_per_s:g}",
               "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
     out.append(Launch("router", "router", shlex.join(route), f"http://router:{ROUTER_PORT}"))
+    engines = (f"the profiled engine's {tp} GPU(s), {cluster.engines_per_node} per node as "
+               "simulated" if measured_tp else
+               f"the plan's engines, {cluster.engines_per_node} per node of "
+               f"{cluster.hardware.gpus_per_node} GPUs, {tp} GPU(s) each")
     reasons = [
-        f"--tensor-parallel-size {tp}, CUDA_VISIBLE_DEVICES: the plan's engines, "
-        f"{cluster.engines_per_node} per node of {cluster.hardware.gpus_per_node} GPUs, "
-        f"{tp} GPU(s) each" + ("" if tp > 1 else " (vLLM's default, so no flag)"),
+        f"--tensor-parallel-size {tp}, CUDA_VISIBLE_DEVICES: {engines}"
+        + ("" if tp > 1 else " (1 is vLLM's default, so no flag)"),
         "--no-enable-prefix-caching: every turn's stored prefix is loaded from the block "
         "store, as the plan simulates (no HBM prefix cache); with vLLM's prefix cache on, "
         "some hits would come from HBM where the router cannot see them, so its read plans "

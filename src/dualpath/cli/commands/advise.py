@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             measured["cuda_graphs"] = not engine["enforce_eager"]
         measured["staging_blocks"] = max(1, round(prof.run["dram_buffer_bytes"] / (
             prof.run["block_size"] * prof.model["kv_bytes_per_token"])))
+        measured["measured_tp"] = int(engine.get("tensor_parallel_size", 1))
     else:
         seqs = coefficients_for(cluster.model, cluster.engine_hardware).max_seqs_per_decode_engine
         measured = {"max_model_len": mal_tokens(trace)[1], "max_num_seqs": seqs}

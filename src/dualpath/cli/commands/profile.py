@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.cli.commands.run import _config, _model_source, add_cluster_arguments
+from dualpath.cli.common import GB_PER_S, refuse_flags, renamed
 from dualpath.core.errors import SpecError
+from dualpath.core.units import GB
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,9 +77,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="vLLM's token budget per step (default: %(default)s, the CPU "
                    "build's): the simulated engine's compute quota is the fitted time of a "
                    "pass of that many new tokens")
-    v.add_argument("--storage-read-gbps", type=float, default=0.1, metavar="G",
-                   help="each node's emulated storage NIC (the connector's storage_read_gbps; "
-                   "default: %(default)s, vllm_pd_bench.py's)")
+    v.add_argument("--storage-read-gb-per-s", type=float, default=0.0125, metavar=GB_PER_S,
+                   help="each node's emulated storage NIC, in GB/s (default: %(default)s, "
+                   "vllm_pd_bench.py's 0.1 Gb/s)")
+    v.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="GPUs of the engine at --url (started with vLLM's "
+                   "--tensor-parallel-size N): recorded, so that `dualpath advise --profile` "
+                   "deploys the engine measured; a server started here runs on one "
+                   "(default: %(default)s)")
+    refuse_flags(p, {"--storage-read-gbps": renamed("--storage-read-gb-per-s", "Gb/s",
+                                                    "GB/s: divide by 8")})
     v.add_argument("--staging-blocks", type=int, default=64, metavar="N",
                    help="a decode node's staging buffer in Full Blocks (default: %(default)s, "
                    "vllm_pd_bench.py's)")
@@ -134,6 +143,10 @@ def _written(out: Path, data: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return run_vllm(args)
+    if args.tensor_parallel_size != 1:
+        raise SpecError("profile", "tensor_parallel_size", args.tensor_parallel_size,
+                        "the runtime's engines run on one device (--engine vllm --url "
+                        "profiles a tensor-parallel server)")
     from tqdm import tqdm
 
     from dualpath.plan.step_profile import build_profile
@@ -281,8 +294,13 @@ def run_vllm(args: argparse.Namespace) -> int:
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "staging_blocks"):
         if getattr(args, name) < 1:
             raise SpecError("profile", name, getattr(args, name), "must be >= 1")
-    if not args.storage_read_gbps > 0:
-        raise SpecError("profile", "storage_read_gbps", args.storage_read_gbps, "must be > 0")
+    if not args.storage_read_gb_per_s > 0:
+        raise SpecError("profile", "storage_read_gb_per_s", args.storage_read_gb_per_s,
+                        "must be > 0")
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.url is None):
+        raise SpecError("profile", "tensor_parallel_size", args.tensor_parallel_size,
+                        "a server started here runs on one device; start yours with vLLM's "
+                        "--tensor-parallel-size N and give its --url")
     dtype_bytes = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(
         args.dtype)
     if dtype_bytes is None:
@@ -296,7 +314,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         url = args.url
         engine: dict[str, Any] = {"kind": "vllm", "url": url or "", "dtype": args.dtype,
-                                  "repeats": grid.repeats}
+                                  "repeats": grid.repeats,
+                                  "tensor_parallel_size": args.tensor_parallel_size}
         if url is None:
             if not Path(args.vllm_python).exists():
                 raise SpecError("profile", "vllm_python", args.vllm_python,
@@ -340,7 +359,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                "weight_dtype_bytes": dtype_bytes,
                "is_tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
                "kv_bytes_per_token": int(kv)},
-        run={"storage_nic_bytes_per_s": args.storage_read_gbps * 1e9 / 8,
+        run={"storage_nic_bytes_per_s": args.storage_read_gb_per_s * GB,
              "compute_nic_bytes_per_s": copy_rate,
              "compute_nic": "unpaced: NIXL over shared memory, at the measured memory copy "
                             "rate",
