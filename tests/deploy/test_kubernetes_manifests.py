@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from dualpath.cli.main import build_parser
+from dualpath.integrations.vllm.manifest import SIDE_CHANNEL_SECRET_ENV
 from dualpath.integrations.vllm.plugin import CONNECTOR_NAME
 
 if os.environ.get("DUALPATH_DEPLOY_TOOLS"):  # under make: the dev extras have both
@@ -119,6 +120,8 @@ def test_servers_share_the_store_and_take_the_side_channel_host_from_the_pod_ip(
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1", name
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env[SIDE_CHANNEL_SECRET_ENV]["valueFrom"]["secretKeyRef"] == {
+            "name": "dualpath-side-channel", "key": "secret"}  # one secret for every pod
         assert f"/etc/dualpath/{role}.json" in container["args"][0]
         config = json.loads(configs[f"{role}.json"])
         assert config["kv_connector"] == CONNECTOR_NAME
