@@ -12,7 +12,8 @@ body, as a dying vLLM server does). With `--log` every request received is appen
 file as a JSON line, and a held request logs "hold" before it waits, so a test knows when to
 kill. With `--store`, the instance publishes the store's manifest as a connector does and a
 decode instance saves its prompt's full files, as the decode connector persists the prompt's
-KV; `--report-to` pushes the instances' state to a router (`integrations.vllm.reports`).
+KV; `--report-to` pushes the process's instances' state to a router as one node's report
+(`integrations.vllm.reports`, with the router's own reporter loop).
 
 Service times (`--prefill-ms`, `--decode-ms`) are sleeps, so one process serves any number
 of requests at once. A reply's `standin_us` (in the prefill reply's `kv_transfer_params`,
@@ -156,6 +157,15 @@ class Fleet:
                 f'vllm:cache_config_info{{block_size="{bs}",engine="0",'
                 f'num_gpu_blocks="{kv_blocks}"}} 1.0\n').encode()
 
+    async def state_of(self, url: str) -> Any:
+        """An instance's state as its node's report gives it (`reports.EngineState`)."""
+        from dualpath.integrations.vllm.reports import EngineState
+        inst = self.instances[int(url.rsplit(":", 1)[1])]
+        kv_blocks, bs = self.args.kv_blocks, self.args.block_size
+        usage = min(1.0, inst.decode_tokens / (kv_blocks * bs)) if kv_blocks else None
+        return EngineState(url, True, inst.running, 0, usage,
+                           kv_blocks * bs if kv_blocks else None)
+
     # -- HTTP ------------------------------------------------------------------------------
     async def serve(self, port: int) -> int:
         """Listen on `port` (0: a free one) as one instance; returns the port."""
@@ -202,8 +212,9 @@ class Fleet:
             elif path == "/metrics":
                 self.reply(writer, 200, self.metrics_page(inst), "text/plain")
             elif path == "/v1/models":
-                self.reply(writer, 200, {"object": "list",
-                                         "data": [{"id": "m", "object": "model"}]})
+                self.reply(writer, 200, {"object": "list", "data": [
+                    {"id": "m", "object": "model"},
+                    {"id": "ad", "object": "model", "root": "/lora/ad", "parent": "m"}]})
             else:
                 self.reply(writer, 404, {"error": "no route"})
             return
@@ -311,6 +322,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--blocks-per-file", type=int, default=1)
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV capacity shown on /metrics "
                     "(0: none shown)")
+    ap.add_argument("--report-to", metavar="URL", help="push this node's state to a router")
+    ap.add_argument("--node", default="node", help="this node's name in its reports")
+    ap.add_argument("--report-interval", type=float, default=0.5)
     return ap.parse_args(argv)
 
 
@@ -319,6 +333,12 @@ async def run(args: argparse.Namespace) -> None:
     ports = [await fleet.serve(p) for p in (args.port or [0] * args.ports)]
     if args.ports:
         print(json.dumps(ports), flush=True)
+    if args.report_to:
+        from dualpath.integrations.vllm.router.reporter import report_forever
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        reporting = asyncio.create_task(report_forever(
+            args.report_to, args.node, urls, fleet.state_of, args.report_interval))
+        reporting.add_done_callback(lambda t: t.cancelled() or t.result())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

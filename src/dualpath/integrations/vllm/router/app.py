@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from dualpath.http import exposition
 from dualpath.http.api_error import add_error_handlers, bad_request
+from dualpath.integrations.vllm.reports import REPORT_PATH
 from dualpath.integrations.vllm.router.prometheus import RouterCollector
 from dualpath.integrations.vllm.router.router import REQUEST_ID_HEADER, Router
 from dualpath.integrations.vllm.router.upstream import Passthrough
@@ -61,6 +62,10 @@ def make_app(router: Router) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await router.handle(await _body(request), is_chat=True,
                                    trace_id=request.headers.get(REQUEST_ID_HEADER))
+
+    @app.post(REPORT_PATH)
+    async def report(request: Request) -> Response:
+        return JSONResponse(router.take_report(await request.body()))
 
     @app.get("/v1/models")
     async def models() -> Response:

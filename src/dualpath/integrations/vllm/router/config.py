@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.manifest import StoreManifest
+from dualpath.integrations.vllm.router.loads import Layout
 from dualpath.sched.mode import mode_preset
 from dualpath.sched.params import SchedulerParams
 from dualpath.sched.types import Role
@@ -35,6 +36,10 @@ class RouterConfig:
     decode_kv_capacity_bytes: int | None = None
     forced_read_side: str | None = None
     """"pe" / "de": every hit read on that side (`--force-read-side`)."""
+    prefill_nodes: tuple[str, ...] | None = None
+    """The node of each prefill instance (instances of one node share its storage NIC and
+    report together); None: each its own node."""
+    decode_nodes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -54,6 +59,19 @@ class RouterConfig:
                      "poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise SpecError("route", name, getattr(self, name), "must be > 0")
+        for name, urls in (("prefill_nodes", self.prefill), ("decode_nodes", self.decode)):
+            nodes = getattr(self, name)
+            if nodes is not None and len(nodes) != len(urls):
+                raise SpecError("route", name, len(nodes), f"one per instance ({len(urls)})")
+        self.layout  # noqa: B018  (building it refuses a node named for both roles)
+
+    @property
+    def layout(self) -> Layout:
+        """Which node each instance is on (`loads.Layout`)."""
+        if self.prefill_nodes is None and self.decode_nodes is None:
+            return Layout.one_per_node(len(self.prefill), len(self.decode))
+        return Layout.of_names(self.prefill_nodes or tuple(self.prefill),
+                               self.decode_nodes or tuple(self.decode))
 
     @property
     def model_name(self) -> str:

@@ -47,6 +47,7 @@ from dualpath.core.blocks import NO_SCOPE, KeyScope
 from dualpath.core.errors import SpecError
 from dualpath.http.api_error import ApiError, bad_request, server_error
 from dualpath.integrations.vllm.manifest import LoadReport, RouteParams
+from dualpath.integrations.vllm.reports import NodeReport
 from dualpath.integrations.vllm.router.bodies import (
     decode_body,
     gen_tokens,
@@ -57,6 +58,7 @@ from dualpath.integrations.vllm.router.bodies import (
 from dualpath.integrations.vllm.router.client import Stream, UpstreamError, is_broken
 from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.failover import RETRIES, Liveness, Retry
+from dualpath.integrations.vllm.router.intake import Intake
 from dualpath.integrations.vllm.router.known import KnownBlocks
 from dualpath.integrations.vllm.router.policy import Route, RoutePolicy
 from dualpath.integrations.vllm.router.scope import ModelCatalog, body_scope
@@ -88,7 +90,7 @@ class Router:
         m = cfg.manifest
         self.policy = RoutePolicy(cfg.params, len(cfg.prefill), len(cfg.decode),
                                   cfg.is_round_robin, cfg.decode_kv_capacity_bytes,
-                                  cfg.forced_read_side)
+                                  cfg.forced_read_side, cfg.layout)
         self.store = BlockStore(cfg.store, m.file_bytes, is_durable=False)
         self.known = KnownBlocks(self.store.contains)
         """The store's files known to exist (checks of an agent's repeated context skipped)."""
@@ -97,8 +99,10 @@ class Router:
         self._waiters: dict[int, asyncio.Future[Route]] = {}
         self.liveness = Liveness(cfg, self.policy, self._place)
         self.upstream = Upstream(cfg, self.liveness)
+        self.intake = Intake(cfg, self.policy, self.liveness, self._place)
+        """The nodes' pushed reports (the instances they cover are not polled)."""
         self.poller = Poller(cfg, self.policy, self.liveness, self.upstream.pool,
-                             self._place)
+                             self._place, self.intake.is_covered)
         self.catalog = ModelCatalog(self._models, cfg.model_name)
         """The instances' models and adapters, for each request's key scope."""
         self.num_queue_timeouts = 0
@@ -110,25 +114,34 @@ class Router:
         self.num_schedules = 0
         self.schedule_s = 0.0
         """Calls of the policy's `schedule` and the time spent in them."""
-        self._poll_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._stat_threads = ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="dualpath-stat")
         """Where a prompt's stored-prefix checks run, a wave at a time (`manifest.in_waves`)."""
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.upstream.start()
-        self._poll_task = asyncio.create_task(self.poller.poll_forever())
+        self._tasks = [asyncio.create_task(self.poller.poll_forever()),
+                       asyncio.create_task(self.intake.watch_forever())]
 
     async def stop(self) -> None:
-        if self._poll_task is not None:
-            self._poll_task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poll_task
+                await task
         await self.upstream.stop()
         self._stat_threads.shutdown(wait=False, cancel_futures=True)
 
     def health(self) -> tuple[str, list[dict[str, Any]]]:
         return self.liveness.health()
+
+    def take_report(self, data: bytes) -> dict[str, Any]:
+        """A node's pushed report (`reports.NodeReport` JSON); a malformed one is a 400."""
+        try:
+            report = NodeReport.from_json(data)
+        except SpecError as e:
+            raise bad_request(None, str(e)) from None
+        return {"unknown": self.intake.take(report)}
 
     # -- placement -------------------------------------------------------------------------
     def _place(self) -> None:
@@ -379,7 +392,8 @@ class Router:
                     retries=self.num_retries, stream_errors=self.num_stream_errors,
                     queue_timeouts=self.num_queue_timeouts,
                     schedule_calls=self.num_schedules, schedule_seconds=self.schedule_s,
-                    polls=self.poller.num_polls,
+                    polls=self.poller.num_polls, reports=self.intake.num_reports,
+                    reporting_instances=self.intake.num_covered,
                     store_checks=self.known.num_checks, store_checks_skipped=self.known.num_hits,
                     block_size=self.cfg.manifest.block_size,
                     full_block_bytes=self.cfg.manifest.full_block_bytes)

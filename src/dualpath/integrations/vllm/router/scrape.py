@@ -1,6 +1,10 @@
 """Polling the instances: each instance's `/health` and `/metrics` every `poll_interval_s`,
 its KV cache usage and capacity (the decode instances' free KV memory; absent values are
-tolerated) into the policy, and whether it is up into `failover.Liveness`."""
+tolerated) into the policy, and whether it is up into `failover.Liveness`.
+
+Only instances no node report covers are polled (`intake`: nodes that push their state are
+not asked), and a round's polls are spread over the interval in `SLICES`, so a thousand plain
+instances do not all answer at once."""
 
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from dualpath.sched.types import Role
 
 log = logging.getLogger("dualpath.route")
 
+SLICES = 10
+"""Parts of a poll interval a round's polls are spread over."""
+INLINE_PARSE_BYTES = 16 * 1024
 _USED_SAMPLE = re.compile(
     r"^(?:vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
     r"|vllm:gpu_cache_usage_perc|vllm:cache_config_info)[{ \t].*$", re.MULTILINE)
@@ -56,17 +63,21 @@ def parse_vllm_metrics(text: str, kv_bytes_per_token: float) -> InstanceMetrics:
 
 
 class Poller:
-    """Polls every instance, forever, once started; `on_round` runs after each round (the
-    router places the requests waiting)."""
+    """Polls the instances no report covers, forever, once started; `on_round` runs after
+    each round (the router places the requests waiting)."""
 
     def __init__(self, cfg: RouterConfig, policy: RoutePolicy, liveness: Liveness,
-                 pool: Callable[[Role, int], Pool],
-                 on_round: Callable[[], None]) -> None:
+                 pool: Callable[[Role, int], Pool], on_round: Callable[[], None],
+                 is_covered: Callable[[Role, int], bool] = lambda role, index: False) -> None:
         self.cfg = cfg
         self.policy = policy
         self.liveness = liveness
         self.pool = pool
         self.on_round = on_round
+        self.is_covered = is_covered
+        """Whether a node's report covers an instance (it is not polled then)."""
+        self._polling: set[tuple[Role, int]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         m = cfg.manifest
         self.kv_bytes_per_token = m.full_block_bytes / m.block_size
         self.errors: Counter[tuple[str, str]] = Counter()
@@ -74,11 +85,24 @@ class Poller:
         self.num_polls = 0
 
     async def poll_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self.poll(role, i, url)
-                                   for role, i, url in self.cfg.instances()))
-            self.on_round()
-            await asyncio.sleep(self.cfg.poll_interval_s)
+        """A round every `poll_interval_s`, its polls spread over the interval; an instance
+        whose last poll has not ended yet is not asked again."""
+        try:
+            while True:
+                targets = [(role, i, url) for role, i, url in self.cfg.instances()
+                           if not self.is_covered(role, i) and (role, i) not in self._polling]
+                per_slice = -(-len(targets) // SLICES)
+                for k in range(SLICES):
+                    for role, i, url in targets[k * per_slice:(k + 1) * per_slice]:
+                        self._polling.add((role, i))
+                        task = asyncio.create_task(self.poll(role, i, url))
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                    await asyncio.sleep(self.cfg.poll_interval_s / SLICES)
+                self.on_round()
+        finally:
+            for task in self._tasks:
+                task.cancel()
 
     async def poll(self, role: Role, index: int, url: str) -> None:
         """One instance's `/health` and `/metrics`: its loads into the policy, and whether it
@@ -88,16 +112,25 @@ class Poller:
         self.num_polls += 1
         pool = self.pool(role, index)
         try:
-            health = await pool.request("GET", "/health", timeout_s=timeout)
-            if health.status != HTTPStatus.OK:
-                raise ValueError(f"/health answered HTTP {health.status}")
-            page = await pool.request("GET", "/metrics", timeout_s=timeout)
+            await self._poll(role, index, url, pool, timeout, polled_at)
+        finally:
+            self._polling.discard((role, index))
+
+    async def _poll(self, role: Role, index: int, url: str, pool: Pool, timeout: float,
+                    polled_at: float) -> None:
+        try:
+            async with asyncio.timeout(2 * timeout):
+                health = await pool.request("GET", "/health", timeout_s=timeout)
+                if health.status != HTTPStatus.OK:
+                    raise ValueError(f"/health answered HTTP {health.status}")
+                page = await pool.request("GET", "/metrics", timeout_s=timeout)
             if page.status != HTTPStatus.OK:
                 raise ValueError(f"/metrics answered HTTP {page.status}")
-            # Off the event loop: the pages of many instances would hold it.
-            sample = await asyncio.to_thread(parse_vllm_metrics, page.text,
-                                             self.kv_bytes_per_token)
-        except (UpstreamError, ValueError) as e:
+            # A large page (vLLM's, with its histograms) is parsed off the event loop.
+            sample = parse_vllm_metrics(page.text, self.kv_bytes_per_token) \
+                if len(page.body) < INLINE_PARSE_BYTES else await asyncio.to_thread(
+                    parse_vllm_metrics, page.text, self.kv_bytes_per_token)
+        except (UpstreamError, ValueError, TimeoutError) as e:
             self.errors[(role.value, url)] += 1
             log.debug("poll of %s: %s", url, e)
             self.liveness.mark_down(role, index, f"poll failed: {type(e).__name__}: {e}"[:300])
