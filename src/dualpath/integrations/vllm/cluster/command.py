@@ -43,6 +43,7 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
         extra["storage_read_gbps"] = spec.storage_read_gbps
     if spec.blocks_per_file is not None:
         extra["blocks_per_file"] = spec.blocks_per_file
+    extra.update(spec.kv_traffic_class.extra_config())
     if role == "decode":
         extra.update(side_channel=side_channel, staging_blocks=spec.staging_blocks)
     else:
@@ -65,12 +66,14 @@ def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
     parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
         if spec.tensor_parallel_size > 1 else []
     name = ["--served-model-name", spec.served_model_name] if spec.served_model_name else []
+    quota = spec.compute_quota.server_args() \
+        if spec.compute_quota is not None and config.get("kv_role") == "kv_producer" else []
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", spec.model, *name, "--tokenizer", spec.model, "--dtype", spec.dtype,
             *eager, *parallel, "--no-enable-prefix-caching", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs),
             "--host", host, "--port", str(port),
-            "--kv-transfer-config", json.dumps(config), *template, *spec.extra_args]
+            "--kv-transfer-config", json.dumps(config), *quota, *template, *spec.extra_args]
 
 
 def reaped_command(cmd: list[str], tag: str, grace_s: float) -> list[str]:

@@ -3,10 +3,12 @@ help texts every command that starts one shares."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.core.errors import SpecError
+from dualpath.integrations.vllm.compute_quota import ComputeQuota
+from dualpath.transport.traffic_class import KVTrafficClass
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,13 @@ class VllmClusterSpec:
     served_model_name: str | None = None
     """The name the servers answer to (`--served-model-name`); None: vLLM's default, the
     `model` argument (a folder's path)."""
+
+    kv_traffic_class: KVTrafficClass = field(default_factory=KVTrafficClass)
+    """The fabric class of the connectors' KV transfers (IB service level, RoCE traffic
+    class), set on their NIXL agents' UCX contexts only (`transport.traffic_class`)."""
+    compute_quota: ComputeQuota | None = None
+    """The prefill instances' compute quota per step (`QuotaScheduler`; None: vLLM's
+    scheduler)."""
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode) < 0 or self.num_prefill + self.num_decode < 1:
