@@ -42,6 +42,12 @@ from typing import Any
 
 HOLD_S = 60.0
 """How long a held request waits (the test kills the process long before)."""
+GONE_CHECK_S = 0.05
+
+
+class ClientGone(Exception):
+    """The client closed the connection of a request in service: the request is dropped, as
+    vLLM aborts a request whose client disconnected."""
 VOCAB = 50_000
 
 
@@ -112,6 +118,8 @@ class Instance:
         self.port = port
         self.running = 0
         self.num_requests = 0
+        self.num_dropped = 0
+        """Requests whose client left while they were in service."""
         self.decode_tokens = 0
         """Prompt tokens of the decode requests in flight (what their KV holds)."""
 
@@ -139,10 +147,20 @@ class Fleet:
             with open(self.log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
-    async def hold(self, where: str, port: int) -> None:
+    async def hold(self, where: str, inst: Instance, reader: asyncio.StreamReader) -> None:
         if self.args.hold == where:
-            self.record({"hold": where, "port": port})
-            await asyncio.sleep(HOLD_S)
+            self.record({"hold": where, "port": inst.port})
+            await self.serve_for(HOLD_S, inst, reader)
+
+    async def serve_for(self, seconds: float, inst: Instance,
+                        reader: asyncio.StreamReader) -> None:
+        """Spend `seconds` on a request, unless its client leaves first (`ClientGone`)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if reader.at_eof():
+                inst.num_dropped += 1
+                raise ClientGone
+            await asyncio.sleep(min(left, GONE_CHECK_S))
 
     def metrics_page(self, inst: Instance) -> bytes:
         kv_blocks = self.args.kv_blocks
@@ -193,7 +211,10 @@ class Fleet:
                         headers[k.strip().lower()] = v.strip()
                 length = int(headers.get("content-length", "0"))
                 data = await reader.readexactly(length) if length else b""
-                await self.handle(inst, method, path, headers, data, writer)
+                try:
+                    await self.handle(inst, method, path, headers, data, reader, writer)
+                except ClientGone:
+                    break
         writer.close()
 
     @staticmethod
@@ -205,7 +226,8 @@ class Fleet:
                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
 
     async def handle(self, inst: Instance, method: str, path: str, headers: dict[str, str],
-                     data: bytes, writer: asyncio.StreamWriter) -> None:
+                     data: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
         if method == "GET":
             if path == "/health":
                 self.reply(writer, 200, {})
@@ -232,18 +254,17 @@ class Fleet:
         inst.running += 1
         try:
             if params is not None and body.get("max_tokens") == 1:  # the prefill step
-                await self.prefill(inst, body, params, prompt, began, writer)
+                await self.prefill(inst, body, params, prompt, began, reader, writer)
             else:
-                await self.decode(inst, body, params, prompt, began, writer)
+                await self.decode(inst, body, params, prompt, began, reader, writer)
         finally:
             inst.running -= 1
 
     async def prefill(self, inst: Instance, body: dict[str, Any], params: dict[str, Any],
-                      prompt: str | list[int], began: float,
+                      prompt: str | list[int], began: float, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
-        await self.hold("prefill", inst.port)
-        if self.args.prefill_ms:
-            await asyncio.sleep(self.args.prefill_ms / 1e3)
+        await self.hold("prefill", inst, reader)
+        await self.serve_for(self.args.prefill_ms / 1e3, inst, reader)
         # What a connector reports it loaded: the plan, less the last `--recompute` blocks
         # (a failed load recomputes from that block on).
         hit, pe = params["hit_blocks"], params["pe_blocks"]
@@ -256,14 +277,13 @@ class Fleet:
                          "standin_us": held_us}}})
 
     async def decode(self, inst: Instance, body: dict[str, Any], params: dict[str, Any] | None,
-                     prompt: str | list[int], began: float,
+                     prompt: str | list[int], began: float, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         ids = token_ids(prompt)
         inst.decode_tokens += len(ids)
         try:
-            await self.hold("decode", inst.port)
-            if self.args.decode_ms:
-                await asyncio.sleep(self.args.decode_ms / 1e3)
+            await self.hold("decode", inst, reader)
+            await self.serve_for(self.args.decode_ms / 1e3, inst, reader)
             num_gen = body.get("max_tokens") or 2
             gen = generated_ids(ids, num_gen) if isinstance(prompt, list) else []
             if self.saver is not None and isinstance(prompt, list):
@@ -288,7 +308,7 @@ class Fleet:
                      b"Transfer-Encoding: chunked\r\n\r\n")
         for k, word in enumerate(stream_words(prompt if isinstance(prompt, str) else "")):
             if k == 1:
-                await self.hold("stream", inst.port)
+                await self.hold("stream", inst, reader)
             await self.chunk(writer, "data: " + json.dumps(
                 {"choices": [{"delta": {"content": word}}]}) + "\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
