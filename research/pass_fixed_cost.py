@@ -44,9 +44,10 @@ from dataclasses import asdict, replace
 from dualpath.core.read_rate import parse_storage_read
 from dualpath.plan.runner import Runner, RunSpec, run_storage
 from dualpath.plan.setups import HARDWARE, setup
+from dualpath.reproduce.ablation import ABLATION, PAPER_ABLATION_REDUCTION
 from dualpath.reproduce.calibrate import CALIBRATION_CELLS, calibrate_setup, scaled_overrides
 from dualpath.reproduce.checks import APPEND_TOKENS, CONTEXT_TOKENS, PAPER_FIG3, fit_fixed_over_var
-from dualpath.reproduce.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
+from dualpath.reproduce.offline import FIG9_FACTORS
 from dualpath.reproduce.paper import SYSTEMS, fig7_point
 from dualpath.sched import cost as costmod
 from dualpath.sched.cost import CostCoefficients, load_cost_coefficients

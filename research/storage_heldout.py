@@ -28,7 +28,8 @@ from dualpath.core.read_rate import StorageReadModel
 from dualpath.plan.runner import Runner, RunSpec, block_bytes, storage_fraction
 from dualpath.plan.setups import setup
 from dualpath.plan.storage_note import FIT_SETUP, fit_block_bytes
-from dualpath.reproduce.offline import ABLATION, FIG9_FACTORS, PAPER_ABLATION_REDUCTION
+from dualpath.reproduce.ablation import ABLATION, PAPER_ABLATION_REDUCTION
+from dualpath.reproduce.offline import FIG9_FACTORS
 from dualpath.reproduce.storage_fit import model_of, packaged_model
 from dualpath.sim import SimResult
 

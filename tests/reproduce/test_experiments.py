@@ -7,8 +7,9 @@ from pathlib import Path
 
 from dualpath.cli.main import main
 from dualpath.plan.section import Context, section_markdown
+from dualpath.reproduce.ablation import ablation
 from dualpath.reproduce.extensions import split_reads, table3
-from dualpath.reproduce.offline import ablation, fig7, fig8, fig9
+from dualpath.reproduce.offline import fig7, fig8, fig9
 from dualpath.reproduce.online import fig10_11
 from dualpath.reproduce.registry import assemble_report, resolve, run_experiments
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from dualpath.core.errors import UnknownPresetError
 from dualpath.plan.section import Context, Section, md_table
+from dualpath.reproduce.ablation import ablation
 from dualpath.reproduce.calibrate import calibration_section
 from dualpath.reproduce.checks import fig3, table1
 from dualpath.reproduce.extensions import split_reads, table3
 from dualpath.reproduce.notes import DIFFERENCES
-from dualpath.reproduce.offline import ablation, fig7, fig8, fig9
+from dualpath.reproduce.offline import fig7, fig8, fig9
 from dualpath.reproduce.online import fig10_11
 from dualpath.reproduce.report import claims_markdown, write_claims, write_report
 from dualpath.reproduce.sensitivity import storage_section
