@@ -22,8 +22,7 @@ PAPER_IMPLIED_BLOCK_RATES: tuple[tuple[str, str, bool], ...] = (
     ("qwen32b_1p2d", "at about 0.75 of the line rate", False),
 )
 """What the paper's Basic JCTs imply its storage read for the other models' Full Blocks, and
-whether that is the flat rate (section `storage`: DS 660B's Basic is within 2% at 64K at the
-flat rate; Qwen's needs ~1.39x it)."""
+whether that is the flat rate (the reproduction report's storage section)."""
 
 FAR_BLOCK_RATIO = 2.0
 """Full Blocks this many times larger or smaller than the fitted one get a note."""

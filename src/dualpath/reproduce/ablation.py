@@ -68,7 +68,7 @@ def ablation(ctx: Context) -> Section:
     balance_body, balance_files, balance_claims = _balance(ctx, name, agents, bal)
     body += balance_body
     causes = {"layerwise": "the HBM limit of a non-layerwise prefill engine never leaves our "
-                           "storage NICs idle (notes item 9)"}
+                           "storage NICs idle (notes item 4)"}
     claims = [Claim(f"Fig. 12 ablation (DS 660B 64K, agents {agents}): {m} JCT vs Basic",
                     f"-{PAPER_ABLATION_REDUCTION[m]:.1f}%", f"-{mean_red[m]:.1f}%",
                     abs(mean_red[m] - PAPER_ABLATION_REDUCTION[m]) <= 5.0, "within 5 points",
@@ -194,11 +194,9 @@ def _balance(ctx: Context, name: str, agents: Sequence[int],
         Claim("Fig. 14: attention-time Max/Avg in the first 5% (DualPath)", "1.06",
               f"{dp_first5:.2f}", dp_first5 <= 1.06 * 1.10,
               "at most 10% above (across the engines that ran in each step)",
-              "prefill engines wait for work: the run is bound by the fitted decode cap (15 "
-              "sequences per decode engine), so turns reach prefill only as decoding ones end "
-              "and the compute quota that balances attention rarely binds; without the cap "
-              "every engine runs at the quota (1.00), with it checked after prefill instead of "
-              "before, 1.93 (`research/attention_steps.py`; Fig. 12 addendum)"),
+              "prefill engines wait for work: the fitted decode sequence cap binds the run, "
+              "so turns reach prefill only as decoding ones end and the compute quota that "
+              "balances attention rarely binds (notes item 2; Fig. 12 addendum)"),
     )
     return body, (snic_csv, attn_csv, snic_png, attn_png), claims
 

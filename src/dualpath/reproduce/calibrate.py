@@ -13,12 +13,11 @@ Two free parameters per model, each with its own signature in Fig. 7's Oracle co
   stays at its default (`CostCoefficients.hbm_reserve_fraction`), so HBM still limits a decode
   engine when the cap does not.
 
-Oracle bypasses all I/O, so its JCT depends only on these and the scheduler. History, so the
-choice is not made again blind: a one-parameter fit (k alone) ran 36% faster than the paper's
-Oracle at 4,096 agents; fitting the HBM reserve instead of a cap (RMS log residual 0.147 DS
-660B, 0.115 DS 27B) bound long contexts harder than short ones, leaving the 32K column 19-22%
-too fast under load, while the paper's capacity depends less on context length, as a cap's does;
-a prefill-vs-decode split of k was ill-conditioned (Oracle barely depends on prefill speed).
+Oracle bypasses all I/O, so its JCT depends only on these and the scheduler. The shapes ruled
+out, so the choice is not made again blind: k alone leaves the loaded cells far too fast;
+fitting the HBM reserve instead of a cap binds long contexts harder than short ones, while the
+paper's capacity depends less on context length, as a cap's does; a prefill-vs-decode split of
+k is ill-conditioned (Oracle barely depends on prefill speed).
 
 The fit is Levenberg-damped Gauss-Newton on log residuals `ln(sim / paper)` over
 `(ln k, ln c)`, c rounded to an integer for each run, with forward-difference Jacobians: a

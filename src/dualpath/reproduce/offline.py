@@ -162,7 +162,7 @@ PAPER_DS27B_GAP = (1.09, 1.85)
 FIG8_1P2D_CAUSE = ("our DualPath 1P2D is faster than the paper's (its one prefill node fed by "
                    "three storage NICs; 2P1D's one decode node binds ours); what slows the "
                    "paper's is not found (full/fig8 addendum)")
-"""Known cause of the Fig. 8 failures that come from DualPath 1P2D (issue 26)."""
+"""Known cause of the Fig. 8 failures that come from DualPath 1P2D (notes item 3)."""
 
 
 def fig8(ctx: Context) -> Section:
@@ -227,9 +227,8 @@ def fig8(ctx: Context) -> Section:
 
 
 FIG9_FACTORS = (1.0, 1.5, 2.0, 3.0)
-"""Fig. 9's append and generation scales. The digest gives none; issue 26 compares the paper's
-Fig. 9 cells at 1.5x, 2x and 3x (with Fig. 7's cell at 1x, four scales of three modes: the
-issue's 12 cells per set), so we run those (until 2026-12-05: 0.5x, 1x, 2x and 4x, our guess)."""
+"""Fig. 9's append and generation scales: the paper's figure compares 1.5x, 2x and 3x with
+Fig. 7's cell at 1x (the digest gives no values for them)."""
 
 
 def fig9(ctx: Context) -> Section:

@@ -34,7 +34,7 @@ PAPER_CAPACITY_RATIO = {"ds27b_1p1d": 1.67, "ds660b_2p4d": 2.25}
 FAST_DUALPATH_CAUSE = (
     "our DS 27B DualPath is faster than the paper's where storage does not bind it, as offline "
     "(Fig. 7: DualPath short of the paper's at 32K, DualPath/Basic above it at 64K); what "
-    "slows the paper's (its P-D transfer overhead in small models, notes item 11) is not "
+    "slows the paper's (its P-D transfer overhead in small models, notes item 5) is not "
     "modelled")
 """Why DS 27B's online capacity ratio exceeds the paper's."""
 
@@ -98,7 +98,7 @@ def tpot_claims(name: str, points: dict[str, list[OnlinePoint]]) -> list[Claim]:
             f"both >= {TPOT_WELL_ABOVE:.2f}x Oracle's at every APS all three kept up at (our "
             "reading of 'well above')",
             "not modelled: a decode step is charged nothing for the P-D path's KV transfers, and "
-            "the paper sizes no such overhead (left as its future work, notes item 11)"))
+            "the paper sizes no such overhead (left as its future work, notes item 5)"))
     return claims
 
 

@@ -13,7 +13,7 @@ differ only for other block sizes, which is what the report compares.
 The fit minimizes the sum of squared log residuals over that one log-fraction by golden-section
 search on [MIN_FRACTION, 1]: JCT is monotone in the rate but bends sharply where a run stops
 being storage-bound, which throws a Gauss-Newton step far off; a bracketing search does not
-care (about 14 evaluations of the eight cells).
+care.
 """
 
 from __future__ import annotations

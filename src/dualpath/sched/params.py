@@ -37,15 +37,15 @@ Choices the paper leaves open (digest §5, tagged [INF]) and the defaults taken 
   nodes), by a deterministic counter the stateful `Scheduler` keeps (`path.ReadSideChooser`), so
   that reads that find both queues empty spread over the machines as evenly as the engine choice
   spreads requests (a stateless call decides as the counter's first tie: PE). `PE` sends every
-  tie to the prefill side (no extra compute-NIC hop; the default until 2026-12-04, which left
-  DS 660B 2P4D's two prefill machines 1.5x the mean storage traffic), `DE` to the decode side.
+  tie to the prefill side (no extra compute-NIC hop, but it leaves the prefill machines well
+  above the mean storage traffic), `DE` to the decode side.
 - `rr_read_side` (how the round-robin family, the ablation's "w/o scheduling" steps, picks the
   read side in `dual` mode; the paper puts the path choice in the inter-engine scheduler of its
   "+scheduling" step, §6.1, and does not say how its "+dual-path loading" step picks one):
   `RANDOM` ignores the queues: PE or DE with probability 1/2 each, from a seeded generator the
   `Scheduler` owns (its `seed`; the simulator passes the run's seed), so a run is deterministic
   in its seed; it reproduces the paper's round-robin storage Max/Avg (Fig. 13) and the
-  ablation's dual-path step. `QUEUE` (the default until 2026-12-04) uses the same
+  ablation's dual-path step. `QUEUE` uses the same
   shorter-read-queue rule as `dualpath`, so the two balance storage alike. Not a strict
   alternation: PE, DE, PE, ... falls into step with the round-robin engine cursors, and one
   machine of a side then takes most of that side's reads.

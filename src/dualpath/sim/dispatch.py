@@ -48,10 +48,10 @@ class Dispatch:
         self.is_oracle = config.mode.is_oracle
         self.is_layerwise = config.mode.is_layerwise
         self.is_hbm_gated = not self.is_layerwise and not self.is_oracle
+        """Without layerwise prefill a PE-side read lands in the PE's HBM (`_next_read`)."""
         self.persist_waiters: dict[int, list[Callable[[], None]]] = {}
         """Per DE: next turns waiting for the persistence not yet started
         (`SimParams.is_next_turn_after_persist`)."""
-        """Without layerwise prefill a PE-side read lands in the PE's HBM (`_next_read`)."""
         wl = config.workload
         self.wl_prompt: list[int] = wl.prompt_tokens.tolist()
         self.wl_hit: list[int] = wl.hit_tokens.tolist()
