@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dualpath.core.read_rate import storage_read_model
 from dualpath.plan.capacity import (
     MAX_DOUBLINGS,
     MAX_HALVINGS,
@@ -70,6 +71,10 @@ def storage_words(ctx: Context, setup_name: str) -> str:
     """How the advisor's runs read storage, in one sentence."""
     if ctx.storage_read is None:
         cl = setup(setup_name).cluster()
+        if storage_read_model(cl.hardware.name).is_nominal:
+            return (f"Storage reads: the line rate ({cl.hardware.name} has no calibrated "
+                    "storage record, so this is an upper bound; `--storage-read` models "
+                    "yours).")
         note = block_size_note(block_bytes(setup_name), cl.hardware.storage_nic_bytes_per_s,
                                cl.hardware.name)
         return ("Storage reads: the hardware's calibrated record."

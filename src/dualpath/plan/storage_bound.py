@@ -101,14 +101,15 @@ class StorageBound:
                     f"{self.cluster} at {one.turns_per_s:.3g} turns/s while its GPUs could serve "
                     f"{self.compute_turns_per_s:.3g}; two paths raise the bound to "
                     f"{two.turns_per_s:.3g} ({self.gain:.2f}x, then {two.binding}-bound).")
-        if one.binding == "storage":
+        if two.binding == "storage":
             return (f"Storage-bound with one or two read paths ({self.gain:.2f}x from "
                     "DualPath): the storage NICs, not their balance, are short; more storage "
                     "bandwidth or fewer GPUs per NIC would help.")
         share = self.compute_turns_per_s / one.storage_turns_per_s
-        return (f"DualPath gains little here ({self.gain:.2f}x): one read path keeps up (the "
-                f"reads need {share:.0%} of the prefill side's storage NICs at the GPUs' "
-                f"rate); the bound is the {one.binding} engines.")
+        return (f"DualPath gains little here ({self.gain:.2f}x): one read path "
+                + ("nearly " if one.binding == "storage" else "")
+                + f"keeps up (the reads need {share:.0%} of the prefill side's storage NICs at "
+                f"the GPUs' rate); the bound is the {two.binding} engines.")
 
 
 def _decode_batch(room_bytes: float, kv_bytes: float, cap: int) -> float:
