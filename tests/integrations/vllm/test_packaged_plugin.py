@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 import urllib.parse
@@ -116,8 +117,7 @@ def throwaway_env(where: Path, wheel: Path) -> Path:
     """A venv whose own site-packages has the wheel, with .venv-vllm's after it."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
     site = where / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    vllm_site = next(p for p in sys.path if p.endswith("site-packages") and "vllm" in p)
-    (site / "vllm_venv.pth").write_text(vllm_site + "\n")
+    (site / "vllm_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(where / "bin" / "python"),
                            "install", "-q", "--no-index", "--no-deps", str(wheel)],
                           capture_output=True, text=True, timeout=300, check=False)
