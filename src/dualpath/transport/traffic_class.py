@@ -20,6 +20,7 @@ classifies KV by the ports UCX listens on (`TCP_PORT_RANGE`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,19 @@ class KVTrafficClass:
             if value is not None:
                 out[key] = value
         return out
+
+    def to_json(self) -> str:
+        """This class as one JSON object (to hand to another process)."""
+        return json.dumps({"ib_sl": self.ib_sl, "traffic_class": self.traffic_class,
+                           "tcp_ports": self.tcp_ports})
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTrafficClass:
+        """The class `to_json` wrote."""
+        data = json.loads(text)
+        ports = data.get("tcp_ports")
+        return cls(ib_sl=data.get("ib_sl"), traffic_class=data.get("traffic_class"),
+                   tcp_ports=None if ports is None else (int(ports[0]), int(ports[1])))
 
     @classmethod
     def from_extra_config(cls, get: Callable[[str, Any], Any]) -> KVTrafficClass:

@@ -23,6 +23,7 @@ from dualpath.integrations.vllm.connector.side_channel.client import SideChannel
 from dualpath.integrations.vllm.connector.side_channel.wire import SideChannelError
 from dualpath.integrations.vllm.connector.step_plan import RemoteLoad
 from dualpath.transport.nixl import NixlAgent, Pending, Prepped, agent_name
+from dualpath.transport.traffic_class import KVTrafficClass
 from dualpath.transport.transfer_error import TransferError
 
 Indices = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
@@ -35,9 +36,11 @@ class DecodePeers:
     worker's own end of each transfer (the paged KV's prepared list, or its bounce buffers)."""
 
     def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor],
-                 host_bounce: bool | None = None, secret: bytes | None = None) -> None:
+                 host_bounce: bool | None = None, secret: bytes | None = None,
+                 traffic_class: KVTrafficClass | None = None) -> None:
         """`host_bounce`: see `PrefillRemote`; `secret`: the cluster's side-channel secret,
-        proved to each decode instance's service."""
+        proved to each decode instance's service; `traffic_class`: the fabric class of this
+        worker's NIXL transfers."""
         self.kv = kv
         self.secret = secret
         self.page_bytes = kv.page_bytes
@@ -51,7 +54,7 @@ class DecodePeers:
         """decode side channel -> its staging slots' prepared list and the buffer's address."""
         is_cuda = any(layer.is_cuda for layer in self.layers)
         self.host_bounce = is_cuda if host_bounce is None else host_bounce
-        self.link = NixlAgent(agent_name("prefill"))
+        self.link = NixlAgent(agent_name("prefill"), traffic_class=traffic_class)
         self._local: Prepped | None = None
         """Direct: every layer's page of every block of the paged KV (entry of layer l, block
         b: `_first_entry[l] + b`)."""

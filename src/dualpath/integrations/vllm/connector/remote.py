@@ -45,6 +45,7 @@ from dualpath.integrations.vllm.connector.side_channel.wire import (
 from dualpath.integrations.vllm.connector.staged_pull import STAGE_PIECES, pull_whole
 from dualpath.integrations.vllm.connector.step_plan import Push, RemoteLoad, StepPlan
 from dualpath.transport.nixl import Pending
+from dualpath.transport.traffic_class import KVTrafficClass
 from dualpath.transport.transfer_error import TransferError
 
 
@@ -58,16 +59,18 @@ class PrefillRemote:
 
     def __init__(self, kv: KVWorker, kv_caches: Mapping[str, torch.Tensor],
                  host_bounce: bool | None = None, stage_pieces: int = STAGE_PIECES,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None,
+                 traffic_class: KVTrafficClass | None = None) -> None:
         """`stage_pieces`: a background DE-side load is staged and pulled in this many
         pipelined pieces (`stage_chunks`; 1: staged whole, then pulled). `secret`: the
-        cluster's side-channel secret, proved to each decode instance's service."""
+        cluster's side-channel secret, proved to each decode instance's service.
+        `traffic_class`: the fabric class of the pulls and pushes."""
         if stage_pieces < 1:
             raise ValueError(f"stage_pieces must be >= 1, got {stage_pieces}")
         self.kv = kv
         self.stage_pieces = stage_pieces
         self.page_bytes = kv.page_bytes
-        self.peers = DecodePeers(kv, kv_caches, host_bounce, secret)
+        self.peers = DecodePeers(kv, kv_caches, host_bounce, secret, traffic_class)
         self.host_bounce = self.peers.host_bounce
         self.link = self.peers.link
         self._layer_index = {n: i for i, n in enumerate(kv.layer_names)}

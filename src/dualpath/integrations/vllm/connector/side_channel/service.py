@@ -36,6 +36,7 @@ from dualpath.store import BlockStore
 from dualpath.transport.nixl import NixlAgent, agent_name
 from dualpath.transport.pacing import Pacer
 from dualpath.transport.slots import SlotPool
+from dualpath.transport.traffic_class import KVTrafficClass
 
 SHM_PREFIX = "dualpath-staging-"
 TAG_ENV = "DUALPATH_INSTANCE_TAG"
@@ -70,13 +71,15 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
                        command_prefix: Sequence[str] = (), env: dict[str, str] | None = None,
                        read_threads: int = 16, blocks_per_file: int = 1,
                        secret: bytes | None = None,
+                       traffic_class: KVTrafficClass | None = None,
                        ) -> tuple[subprocess.Popen[bytes], RemotePool]:
     """Start the side-channel process on `address`; returns it and the worker's pool view.
     `command_prefix` runs it elsewhere (`netns.Host.command`: in an emulated host); it runs
     on the cores of this instance (`instance_cpus`), staging `read_threads` files at a
     time. A slot holds one Full Block (`full_block_bytes`), a store file `blocks_per_file`
     of them. `secret`: the cluster's shared secret (the process gets it in its environment,
-    never on its command line; None: unauthenticated, loopback addresses only)."""
+    never on its command line; None: unauthenticated, loopback addresses only).
+    `traffic_class`: the fabric class of its NIXL agent's transfers (default: the fabric's)."""
     cpus = instance_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
     cmd = [*command_prefix, sys.executable, "-m", __name__,
            "--address", address, "--store", store_root, "--full-block-bytes",
@@ -87,6 +90,8 @@ def spawn_side_channel(address: str, store_root: str, full_block_bytes: int, num
         cmd += ["--storage-read-gbps", str(storage_read_gbps)]
     if event_log:
         cmd += ["--event-log", event_log]
+    if traffic_class is not None and not traffic_class.is_default:
+        cmd += ["--kv-traffic-class", traffic_class.to_json()]
     child_env = {**os.environ, **(env or {})}
     child_env.pop(SECRET_FILE_ENV, None)
     if secret is not None:
@@ -129,6 +134,8 @@ def _main() -> None:
     ap.add_argument("--cpus", help="run on these cores, comma-separated (default: inherited)")
     ap.add_argument("--read-threads", type=int, default=16,
                     help="store reads of a stage in flight at once")
+    ap.add_argument("--kv-traffic-class", help="the NIXL agent's fabric class (JSON of "
+                    "transport.traffic_class.KVTrafficClass)")
     ap.add_argument("--blocks-per-file", type=int, default=1,
                     help="Full Blocks (staging slots) per store file")
     args = ap.parse_args()
@@ -149,7 +156,10 @@ def _main() -> None:
     pool = StagingPool(slots)
     store = BlockStore(args.store, args.full_block_bytes * args.blocks_per_file,
                        is_durable=False)
-    agent = NixlAgent(agent_name("decode"), progress_thread=True)  # the prefill side's target
+    kv_class = KVTrafficClass.from_json(args.kv_traffic_class) if args.kv_traffic_class \
+        else None
+    agent = NixlAgent(agent_name("decode"), progress_thread=True,  # the prefill side's target
+                      traffic_class=kv_class)
     agent.register([(pool.base, slots.capacity_bytes)])
     log_path = args.event_log
 
