@@ -67,6 +67,11 @@ def is_broken(exc: UpstreamError) -> bool:
     return not isinstance(exc, ReadTimeout)
 
 
+def is_unreached(exc: UpstreamError) -> bool:
+    """Whether the request never got to the instance (no connection was made)."""
+    return isinstance(exc, ConnectFailed | ConnectTimeout)
+
+
 @dataclass(frozen=True)
 class Reply:
     """A whole reply: its status, headers (names lowercased) and body."""

@@ -4,9 +4,10 @@ An instance whose poll fails (refused, reset, timed out, not 200), or that refus
 request's connection, is marked down at once and takes no new requests
 (`RoutePolicy.mark_down`); the first poll it answers brings it back. A request whose prefill
 or decode instance fails it (unreachable, dropped, 5xx) before anything reached the client
-is placed again from the start, `RETRIES` times (`RoutePolicy.requeue`: new instances, a new
-transfer id, a new read plan; its KV is read from the store or recomputed, never taken from
-the failed attempt). A stream that breaks after its first event ends with an error event and
+is placed again from the start, `RETRIES` times, and up to `MAX_UNREACHED` more times after
+instances it never reached (`RoutePolicy.requeue`: new instances, a new transfer id, a new
+read plan; its KV is read from the store or recomputed, never taken from the failed
+attempt). A stream that breaks after its first event ends with an error event and
 `data: [DONE]`. `/health` says `degraded` while an instance is down, `unavailable` (503)
 while every prefill or every decode instance is.
 """
@@ -29,6 +30,10 @@ log = logging.getLogger("dualpath.route")
 
 RETRIES = 1
 """Times a request failed by an instance before its first token is placed again."""
+MAX_UNREACHED = 8
+"""Times more a request is placed again after instances it never reached (no connection:
+nothing was sent, so nothing ran twice), as when a whole node is gone and its other engines
+are not yet marked down."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,13 @@ class Down:
 
 
 class Retry(Exception):
-    """An instance failed the request before anything reached the client: place it again."""
+    """An instance failed the request before anything reached the client: place it again
+    (`is_unreached`: the instance never got it)."""
 
-    def __init__(self, error: ApiError) -> None:
+    def __init__(self, error: ApiError, is_unreached: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.is_unreached = is_unreached
 
 
 class Liveness:

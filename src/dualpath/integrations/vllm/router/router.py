@@ -57,7 +57,12 @@ from dualpath.integrations.vllm.router.bodies import (
 )
 from dualpath.integrations.vllm.router.client import Stream, UpstreamError, is_broken
 from dualpath.integrations.vllm.router.config import RouterConfig
-from dualpath.integrations.vllm.router.failover import RETRIES, Liveness, Retry
+from dualpath.integrations.vllm.router.failover import (
+    MAX_UNREACHED,
+    RETRIES,
+    Liveness,
+    Retry,
+)
 from dualpath.integrations.vllm.router.intake import Intake
 from dualpath.integrations.vllm.router.known import KnownBlocks
 from dualpath.integrations.vllm.router.policy import Route, RoutePolicy
@@ -263,12 +268,17 @@ class Router:
         self.policy.submit(request_id, len(tokens), hit, gen)
         is_handed_off = is_ok = False
         try:
-            for attempt in itertools.count():
+            num_failed = num_unreached = 0
+            while True:
                 try:
                     resp, is_handed_off = await self._attempt(request_id, body, is_chat,
                                                               is_stream, trace_id)
                 except Retry as e:
-                    if attempt >= RETRIES:
+                    if e.is_unreached and num_unreached < MAX_UNREACHED:
+                        num_unreached += 1
+                    elif num_failed < RETRIES:
+                        num_failed += 1
+                    else:
                         raise e.error from None
                     self.num_retries += 1
                     log.warning("request %s: %s; placed again", trace_id, e.error.message)
@@ -277,7 +287,6 @@ class Router:
                 is_ok = not is_handed_off
                 resp.headers[REQUEST_ID_HEADER] = trace_id
                 return resp
-            raise AssertionError("unreachable")
         finally:
             if not is_handed_off:
                 self._release(request_id, is_ok)

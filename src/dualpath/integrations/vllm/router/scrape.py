@@ -94,6 +94,8 @@ class Poller:
                 per_slice = -(-len(targets) // SLICES)
                 for k in range(SLICES):
                     for role, i, url in targets[k * per_slice:(k + 1) * per_slice]:
+                        if self.is_covered(role, i):  # a report came since the round began
+                            continue
                         self._polling.add((role, i))
                         task = asyncio.create_task(self.poll(role, i, url))
                         self._tasks.add(task)

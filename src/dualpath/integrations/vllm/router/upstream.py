@@ -21,6 +21,7 @@ from dualpath.integrations.vllm.router.client import (
     Stream,
     UpstreamError,
     is_broken,
+    is_unreached,
 )
 from dualpath.integrations.vllm.router.config import RouterConfig
 from dualpath.integrations.vllm.router.failover import Liveness, Retry
@@ -124,7 +125,7 @@ class Upstream:
         except UpstreamError as e:
             err = self.error(role, index, path, e)
             if is_broken(e):
-                raise Retry(err) from e
+                raise Retry(err, is_unreached(e)) from e
             raise err from e
         try:
             self.check_reply(role, index, path, reply)
@@ -141,7 +142,7 @@ class Upstream:
         except UpstreamError as e:
             err = self.error(Role.DECODE, index, path, e)
             if is_broken(e):
-                raise Retry(err) from e
+                raise Retry(err, is_unreached(e)) from e
             raise err from e
         if stream.status >= 400:
             try:
