@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -47,13 +48,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     i = p.add_argument_group("instances")
-    i.add_argument("--prefill", metavar="URL", action="append", default=[], required=True,
+    i.add_argument("--prefill", metavar="URL", action="append", default=[],
                    help="a prefill vLLM instance's base URL (http://host:port); repeat for more")
-    i.add_argument("--decode", metavar="URL", action="append", default=[], required=True,
+    i.add_argument("--decode", metavar="URL", action="append", default=[],
                    help="a decode vLLM instance's base URL; repeat for more, each with its --side")
-    i.add_argument("--side", metavar="HOST:PORT", action="append", default=[], required=True,
+    i.add_argument("--side", metavar="HOST:PORT", action="append", default=[],
                    help="the side channel of the --decode given at the same position (where "
                    "prefill instances reach its KV buffer)")
+    i.add_argument("--instances", metavar="FILE", help="the instances as JSON lines, one "
+                   'per instance: {"role": "prefill"|"decode", "url": URL, "side": HOST:PORT '
+                   '(decode), "node": NAME}; instances with one node name share its storage '
+                   "NIC and are one group, as a node's GPUs or data-parallel ranks are "
+                   "(instead of --prefill/--decode/--side, or beside them)")
     i.add_argument("--store", metavar="DIR", required=True,
                    help="the block store the connectors use (their store_path)")
     i.add_argument("--model", metavar="NAME", help="the model whose manifest to use when "
@@ -107,6 +113,19 @@ def route(args: argparse.Namespace) -> int:
     if len(args.side) != len(args.decode):
         raise SpecError("route", "side", len(args.side), f"give one --side per --decode "
                         f"({len(args.decode)} --decode, {len(args.side)} --side)")
+    prefill: list[tuple[str, str | None]] = [(u.rstrip("/"), None) for u in args.prefill]
+    decode: list[tuple[str, str, str | None]] = [
+        (u.rstrip("/"), s, None) for u, s in zip(args.decode, args.side, strict=True)]
+    if args.instances:
+        more_prefill, more_decode = read_instances(Path(args.instances))
+        prefill += more_prefill
+        decode += more_decode
+    if not prefill or not decode:
+        raise SpecError("route", "instances", (len(prefill), len(decode)), "needs at least "
+                        "one prefill and one decode instance (--prefill/--decode or "
+                        "--instances)")
+    has_nodes = any(n is not None for _, n in prefill) or any(n is not None
+                                                                for _, _, n in decode)
     if not 0 <= args.port <= 65535:
         raise SpecError("route", "port", args.port, "must be in [0, 65535]")
     if args.decode_kv_gib is not None and not args.decode_kv_gib > 0:
@@ -125,8 +144,10 @@ def route(args: argparse.Namespace) -> int:
                              args.alpha_tokens, args.beta_tokens,
                              args.storage_nic_gb_per_s * 8)
     cfg = RouterConfig(
-        prefill=tuple(u.rstrip("/") for u in args.prefill),
-        decode=tuple(u.rstrip("/") for u in args.decode), sides=tuple(args.side),
+        prefill=tuple(u for u, _ in prefill), decode=tuple(u for u, _, _ in decode),
+        sides=tuple(s for _, s, _ in decode),
+        prefill_nodes=tuple(n or u for u, n in prefill) if has_nodes else None,
+        decode_nodes=tuple(n or u for u, _, n in decode) if has_nodes else None,
         store=store, manifest=manifest, params=params, mode=args.mode,
         model=args.model, queue_timeout_s=args.queue_timeout,
         upstream_timeout_s=args.upstream_timeout, poll_interval_s=args.poll_interval,
@@ -151,3 +172,41 @@ def route(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         server.server_close()
     return 0
+
+
+def read_instances(path: Path) -> tuple[list[tuple[str, str | None]],
+                                        list[tuple[str, str, str | None]]]:
+    """`--instances`: (prefill (url, node)), (decode (url, side, node)); a bad line is an
+    error naming it."""
+    prefill: list[tuple[str, str | None]] = []
+    decode: list[tuple[str, str, str | None]] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise SpecError("route", "instances", str(path), f"unreadable: {e}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        try:
+            raw = json.loads(line)
+        except ValueError as e:
+            raise SpecError(where, "line", line[:60], f"not JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise SpecError(where, "line", line[:60], "must be a JSON object")
+        role, url, node = raw.get("role"), raw.get("url"), raw.get("node")
+        if not isinstance(url, str) or not url:
+            raise SpecError(where, "url", url, "must be a base URL (http://host:port)")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise SpecError(where, "node", node, "must be a non-empty name")
+        if role == "prefill":
+            prefill.append((url.rstrip("/"), node))
+        elif role == "decode":
+            side = raw.get("side")
+            if not isinstance(side, str) or not side:
+                raise SpecError(where, "side", side, "a decode instance needs its side "
+                                "channel (HOST:PORT)")
+            decode.append((url.rstrip("/"), side, node))
+        else:
+            raise SpecError(where, "role", role, "must be prefill or decode")
+    return prefill, decode
