@@ -162,6 +162,7 @@ vllm-typecheck: $(STAMP) $(VLLM_STAMP)
 	  --cache-dir .mypy_cache/vllm-venv \
 	  src/dualpath/integrations/vllm/connector/dualpath_connector.py \
 	  src/dualpath/integrations/vllm/connector/compat.py \
+	  src/dualpath/integrations/vllm/connector/layout.py \
 	  src/dualpath/integrations/vllm/connector/vllm_metrics.py \
 	  src/dualpath/integrations/vllm/connector/paced_fs_tier.py \
 	  src/dualpath/integrations/vllm/quota_scheduler.py \

@@ -4,8 +4,8 @@ Rooms (each a subpackage; only `connector.dualpath_connector` and `connector.vll
 import vllm, and `plugin` when vLLM calls it):
 
 - `connector/`  the KV connector that runs inside each vLLM instance: `plan` (scheduler side,
-                pure), `kvio` (worker side: paged KV <-> Full Blocks <-> `BlockStore`),
-                `remote` (the P/D data plane: DE-side pulls, pushes, staged loads),
+                pure), `worker_side` (worker side: `kvio` paged KV <-> Full Blocks <->
+                `BlockStore`; `remote`, `decode_remote`, `async_loader` the P/D data plane),
                 `side_channel` (the decode node's staging service), `dualpath_connector`
                 (`DualPathConnector`, found by name through `plugin`, or by
                 `kv_connector_module_path="dualpath.integrations.vllm.connector.dualpath_connector"`).

@@ -124,7 +124,7 @@ def test_blocks_per_file_defaults_to_128_token_files_and_names_a_bad_value() -> 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from dualpath.core.errors import SpecError
-    from dualpath.integrations.vllm.connector.dualpath_connector import _layout
+    from dualpath.integrations.vllm.connector.layout import layout_of
 
     def layout(block_size: int, g: object) -> tuple[int, bytes]:
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=8,
@@ -132,7 +132,7 @@ def test_blocks_per_file_defaults_to_128_token_files_and_names_a_bad_value() -> 
         kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
             kv_cache_spec=spec, layer_names=["a", "b"])], kv_cache_layout="LBHNC")
         config = SimpleNamespace(model_config=SimpleNamespace(model="m", dtype="float32"))
-        out = _layout(config, kv, g)  # type: ignore[arg-type]
+        out = layout_of(config, kv, g)  # type: ignore[arg-type]
         return out.blocks_per_file, out.namespace
 
     assert layout(16, None)[0] == 8 and layout(128, None)[0] == 1

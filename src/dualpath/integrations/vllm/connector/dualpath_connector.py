@@ -29,13 +29,14 @@ instances the router's `RouteParams` choose the read path per request: the prefi
 reads PE-side blocks itself and pulls DE-side blocks from the decode node's staging buffer
 layer by layer (`remote`); the decode instance loads the prompt's KV from staging.
 
-This module imports vllm; `plan` and `kvio` hold the logic and import without it.
+This module imports vllm; the logic is in modules that import without it: `layout` (the KV's
+shape and the key namespace), `plan` (the scheduler side), `worker_side` (the worker side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,40 +57,25 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from dualpath.core.errors import SpecError
-from dualpath.integrations.vllm.connector.async_loader import AsyncLoader
 from dualpath.integrations.vllm.connector.bounce import host_bounce_option
 from dualpath.integrations.vllm.connector.compat import (
     DISK_HIT_SOURCE,
     HEADS_FIRST_LAYOUT,
-    kv_cache_layout,
     resumed_req_ids,
 )
-from dualpath.integrations.vllm.connector.decode_remote import DecodeRemote
-from dualpath.integrations.vllm.connector.key_namespace import model_identity, namespace_key
-from dualpath.integrations.vllm.connector.kvio import KVWorker
+from dualpath.integrations.vllm.connector.layout import layout_of
 from dualpath.integrations.vllm.connector.plan import Planner
-from dualpath.integrations.vllm.connector.remote import PrefillRemote
 from dualpath.integrations.vllm.connector.scope import request_scope
 from dualpath.integrations.vllm.connector.side_channel.auth import load_secret
-from dualpath.integrations.vllm.connector.side_channel.client import RemotePool
-from dualpath.integrations.vllm.connector.side_channel.service import (
-    spawn_side_channel,
-    staging_slots,
-)
-from dualpath.integrations.vllm.connector.step_plan import (
-    StepPlan,
-    check_blocks_per_file,
-    default_blocks_per_file,
-)
+from dualpath.integrations.vllm.connector.step_plan import StepPlan
 from dualpath.integrations.vllm.connector.vllm_metrics import (
     DualPathPromMetrics,
     DualPathStats,
     storage_events,
 )
-from dualpath.integrations.vllm.connector.worker_record import WorkerCounters
+from dualpath.integrations.vllm.connector.worker_side import WorkerSide
 from dualpath.integrations.vllm.manifest import RouteParams, Shard, StoreManifest
 from dualpath.store import BlockStore, store_file_mode
-from dualpath.transport.pacing import Pacer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,31 +95,10 @@ id, which carries the router's X-Request-Id) are in the instance's log."""
 PD_ROLES = {"kv_both": "both", "kv_producer": "prefill", "kv_consumer": "decode"}
 """vLLM's kv_role -> the connector's role in DualPath's P/D flow (`plan.Planner.role`)."""
 
-FORMAT_TAG = "dualpath-vllm-v2"
-"""Part of every key's namespace: bump when the payload layout or the key derivation changes.
-v2 keys every block within its request's scope (cache salt, LoRA adapter, multimodal inputs):
-blocks a v1 connector wrote stop matching, since a v1 key did not say which tenant or adapter
-computed it."""
-
 
 @dataclass
 class DualPathConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     plan: StepPlan
-
-
-@dataclass(frozen=True)
-class _Layout:
-    block_size: int
-    layer_names: list[str]
-    page_bytes: int
-    namespace: bytes
-    blocks_per_file: int = 1
-    """g: vLLM blocks per store file (`plan`'s "Files")."""
-
-    @property
-    def full_block_bytes(self) -> int:
-        """One vLLM block's pages of every layer (of this worker's shard)."""
-        return len(self.layer_names) * self.page_bytes
 
 
 def _worker_shard(tp_size: int, pp_size: int) -> Shard:
@@ -148,30 +113,6 @@ def _worker_shard(tp_size: int, pp_size: int) -> Shard:
 
     return Shard(get_tensor_model_parallel_rank(), tp_size, get_pp_group().rank_in_group,
                  pp_size)
-
-
-def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-            blocks_per_file: object = None) -> _Layout:
-    """The KV's shape and the key namespace; `blocks_per_file`: the extra config's (None:
-    `step_plan.default_blocks_per_file`)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"DualPathConnector supports one KV cache group (full attention), "
-                         f"this model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    block_size = int(spec.block_size)
-    page_bytes = int(spec.page_size_bytes)
-    layer_names = list(groups[0].layer_names)
-    g = default_blocks_per_file(block_size) if blocks_per_file is None \
-        else check_blocks_per_file(blocks_per_file)
-    mc = vllm_config.model_config
-    # A file of g blocks is another payload than a block's: g is part of the namespace (not
-    # when 1, so stores of a block a file keep their keys).
-    namespace = namespace_key(FORMAT_TAG, model_identity(str(mc.model)), str(mc.dtype),
-                              block_size, page_bytes, len(layer_names),
-                              kv_cache_layout(kv_cache_config),
-                              *((f"blocks_per_file={g}",) if g > 1 else ()))
-    return _Layout(block_size, layer_names, page_bytes, namespace, g)
 
 
 class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -222,8 +163,8 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.warning("DualPathConnector: kv_load_failure_policy=%r fails a request whose "
                            "stored block is missing or corrupt; set 'recompute' to recompute "
                            "it", extra.kv_load_failure_policy)
-        layout = _layout(vllm_config, kv_cache_config,
-                         extra.get_from_extra_config("blocks_per_file", None))
+        layout = layout_of(vllm_config, kv_cache_config,
+                           extra.get_from_extra_config("blocks_per_file", None))
         self._layout = layout
         capacity_gb = extra.get_from_extra_config("store_capacity_gb", None)
         if capacity_gb is not None and not float(capacity_gb) > 0:
@@ -239,32 +180,19 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The cluster's side-channel secret (None: unauthenticated, loopback only)."""
         self._pd_role = PD_ROLES.get(str(extra.kv_role), "both")
         self._planner: Planner | None = None
-        self._worker: KVWorker | None = None
-        self._prefill: PrefillRemote | None = None
-        self._decode: DecodeRemote | None = None
-        self._side_address: str | None = None
-        self._side_process: Any = None
-        self._side_pool: RemotePool | None = None
-        self._loader: AsyncLoader | None = None
-        self._plan = StepPlan()
+        self._worker: WorkerSide | None = None
         self._stats = DualPathStats()
         """This side's counts since vLLM last took them (`get_kv_connector_stats`)."""
-        self._counted = WorkerCounters()
-        """Worker: its counters when last taken."""
         self._requests: dict[str, Request] = {}
         """Scheduler: live requests (their vLLM block hashes and tokens, for KV events)."""
         self._events: list[KVCacheEvent] = []
-        """The step's plan (worker side, from `bind_connector_metadata`)."""
+        """Scheduler: KV events of the steps planned since vLLM last took them."""
         gbps = extra.get_from_extra_config("storage_read_gbps", None)
         self._host_bounce = host_bounce_option(extra.get_from_extra_config("de_pull_via_host",
                                                                            "auto"))
         """Prefill: DE pulls and pushes through pinned host buffers (None: where the KV is on
         a GPU; `PrefillRemote`)."""
         self._storage_read_gbps = float(gbps) if gbps else None
-        # The worker's emulated storage NIC. On a decode node the staging service reads through
-        # its own (the worker reads the store only for requests without the router's orders).
-        self._pacer = Pacer.from_gbps(self._storage_read_gbps, "storage_read") \
-            if self._storage_read_gbps and role != KVConnectorRole.SCHEDULER else None
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         pp_size = int(parallel.pipeline_parallel_size)
@@ -285,27 +213,9 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_shards=tp_size * pp_size, blocks_per_file=layout.blocks_per_file)
             manifest.write(store_path)
         else:
-            # A decode node writes its new blocks in the background by default: its steps are
-            # the latency users see, and the next turn comes after a router round trip.
-            self._worker = KVWorker(
-                self._store, layout.layer_names, layout.page_bytes,
-                event_log=extra.get_from_extra_config("event_log", None), pacer=self._pacer,
-                background_saves=bool(extra.get_from_extra_config(
-                    "background_saves", self._pd_role == "decode")),
-                shard=_worker_shard(tp_size, pp_size),
-                read_threads=int(extra.get_from_extra_config("read_threads", 16)),
-                write_threads=int(extra.get_from_extra_config("write_threads", 4)),
-                blocks_per_file=layout.blocks_per_file)
-            if self._pd_role == "decode":
-                self._start_side_channel(extra)
-            self._worker.log_event({"event": "init", "role": self._pd_role,
-                                    "namespace": layout.namespace.hex(),
-                                    "block_size": layout.block_size,
-                                    "full_block_bytes": layout.full_block_bytes,
-                                    "blocks_per_file": layout.blocks_per_file,
-                                    "layers": len(layout.layer_names),
-                                    "shard": asdict(self._worker.shard),
-                                    "side_channel": self.side_channel_address})
+            self._worker = WorkerSide(self._store, layout, self._pd_role, extra,
+                                      _worker_shard(tp_size, pp_size), self._secret,
+                                      self._host_bounce, self._storage_read_gbps)
         logger.info("DualPathConnector (%s, %s): store %s, %d layers x %d B pages, block %d "
                     "tokens, %d blocks a file", role.name, self._pd_role, store_path,
                     len(layout.layer_names), layout.page_bytes, layout.block_size,
@@ -314,57 +224,18 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @property
     def side_channel_address(self) -> str | None:
         """Decode: where prefill workers reach this node's staging buffer."""
-        return self._side_address
-
-    def _start_side_channel(self, extra: Any) -> None:
-        assert self._worker is not None
-        address = extra.get_from_extra_config("side_channel", None)
-        if not address:
-            raise ValueError("DualPathConnector with kv_role kv_consumer (a decode instance) "
-                             "needs kv_connector_extra_config.side_channel, host:port")
-        # Each rank serves its own shards' staging buffer, on the instance's port + its index.
-        address = self._worker.shard.side_channel(str(address))
-        self._side_process, pool = spawn_side_channel(
-            str(address), str(self._store.root), self._layout.full_block_bytes,
-            staging_slots(self._layout.full_block_bytes,
-                          extra.get_from_extra_config("staging_gb", None),
-                          extra.get_from_extra_config("staging_blocks", None)),
-            self._storage_read_gbps, extra.get_from_extra_config("event_log", None),
-            self._layout.namespace.hex(),
-            read_threads=int(extra.get_from_extra_config("read_threads", 16)),
-            blocks_per_file=self._layout.blocks_per_file, secret=self._secret)
-        self._side_pool = pool
-        self._side_address = str(address)
-        self._decode = DecodeRemote(self._worker, pool)
-        logger.info("DualPathConnector: side channel process on %s, %d staging blocks "
-                    "(%d MiB)", address, pool.num_slots,
-                    pool.num_slots * pool.full_block_bytes >> 20)
+        return self._worker.side_address if self._worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self._worker is None:
-            return
-        self._worker.register(kv_caches)
-        if self._pd_role == "prefill":
-            # Through pinned host buffers where the KV is on a GPU, unless said otherwise:
-            # without GPUDirect RDMA, UCX emulates host <-> VRAM transfers over TCP.
-            self._prefill = PrefillRemote(self._worker, kv_caches, self._host_bounce,
-                                          secret=self._secret)
-            self._loader = AsyncLoader(self._worker, self._prefill)
+        if self._worker is not None:
+            self._worker.register(kv_caches)
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()  # the background saves land first
-        if self._loader is not None:
-            self._loader.close()
-        if self._prefill is not None:
-            self._prefill.close()
-        if self._side_pool is not None:
-            self._side_pool.close()
-        if self._side_process is not None:
-            self._side_process.terminate()
+            self._worker.close()
 
     # -- worker side -----------------------------------------------------------------------
-    def _bound_worker(self) -> KVWorker | None:
+    def _bound_worker(self) -> WorkerSide | None:
         if self._worker is None or not self.has_connector_metadata():
             return None
         return self._worker
@@ -373,74 +244,40 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().bind_connector_metadata(connector_metadata)
         assert self._worker is not None
         assert isinstance(connector_metadata, DualPathConnectorMetadata)
-        plan = connector_metadata.plan
-        self._plan = plan
-        self._worker.bind(plan)
-        if self._prefill is not None:
-            self._prefill.bind(plan)
-        if self._decode is not None:
-            self._decode.bind(plan)
+        self._worker.bind(connector_metadata.plan)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Synchronous: vLLM calls this before the forward when a step has loads. The reads of
-        # whole Full Blocks finish here; the per-layer copies run in wait_for_layer_load.
-        # The DE-side pulls are posted here too, one NIXL READ per layer; each layer waits
-        # for its own in wait_for_layer_load.
         worker = self._bound_worker()
         if worker is not None:
-            if self._prefill is not None:
-                self._prefill.request_stages()  # the decode nodes read while this one does
-            worker.load()
-            if self._prefill is not None:
-                self._prefill.load()
-            if self._loader is not None:
-                self._loader.submit(self._plan)
-            if self._decode is not None:
-                self._decode.load()
+            worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         worker = self._bound_worker()
         if worker is not None:
             _, _, kv_cache, _ = get_attention_context(layer_name)
-            if self._prefill is not None:
-                self._prefill.inject(layer_name)
-            worker.inject(layer_name, kv_cache)
-            if self._decode is not None:
-                self._decode.inject(layer_name, kv_cache)
+            worker.wait_for_layer(layer_name, kv_cache)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         worker = self._bound_worker()
         if worker is not None:
-            worker.capture(layer_name, kv_layer)
-            if self._prefill is not None:
-                self._prefill.capture(layer_name)
+            worker.save_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         worker = self._bound_worker()
         if worker is not None:
-            if self._prefill is not None:
-                self._prefill.flush()
-            worker.flush()
-            if self._decode is not None:
-                self._decode.flush()
+            worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                set[str] | None]:
         # Background loads done (their failed blocks are reported no later than this pass).
-        return None, self._loader.take_finished() if self._loader is not None else None
+        return None, self._worker.finished_loads() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's counts since the last call (`vllm_metrics.DualPathStats`): the
         scheduler's what the loads gave, a worker's its saves, errors and read queues."""
         if self._worker is not None:
-            now = self._worker.counters
-            last, self._counted = self._counted, replace(now)
-            self._stats.add(saved_blocks=now.saved_blocks - last.saved_blocks,
-                            failed_saves=now.failed_saves - last.failed_saves,
-                            remote_errors=now.remote_errors - last.remote_errors)
-            if self._loader is not None:
-                self._stats.set_queue(self._loader.queued_blocks())
+            self._worker.add_stats(self._stats)
         return None if self._stats.is_empty() else self._stats.take()
 
     @classmethod
@@ -458,10 +295,7 @@ class DualPathConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                    per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self._worker.take_load_errors() if self._worker is not None else set()
-        if self._loader is not None:
-            errors |= self._loader.take_errors()
-        return errors
+        return self._worker.take_load_errors() if self._worker is not None else set()
 
     # -- scheduler side --------------------------------------------------------------------
     def _sched(self) -> Planner:
