@@ -59,14 +59,15 @@ class VllmProfileError(DualPathError, RuntimeError):
 DEFAULT_VLLM_GRID = StepGrid(prefill_cached=(0, 512, 1536), prefill_new=(16, 128, 512),
                              prefill_batch=(1, 4), decode_batch=(1, 4, 8),
                              decode_context=(128, 512, 1024))
-"""About 3-4 minutes on SmolLM2 on one core here. Prefill points whose prompt does not fit the
-server's `max_model_len` and decode points with a batch over its `max_num_seqs` are skipped."""
+"""The default grid (docs/measurements.md has a run's length). Prefill points whose prompt does
+not fit the server's `max_model_len` and decode points with a batch over its `max_num_seqs`
+are skipped."""
 
 
 QUICK_VLLM_GRID = StepGrid(prefill_cached=(0, 512), prefill_new=(16, 128),
                            prefill_batch=(1, 2), decode_batch=(1, 4),
                            decode_context=(128, 512), repeats=2)
-"""Under a minute on SmolLM2 (tests, smoke runs)."""
+"""A smaller grid, for tests and smoke runs."""
 
 
 @dataclass

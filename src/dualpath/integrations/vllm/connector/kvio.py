@@ -10,7 +10,7 @@ block 1's, ...; `step_plan.BlockTransfer.files`), so a file is read with one sca
 straight into the g blocks' pages and written from g consecutive rows of a save buffer; with
 g = 1 a file is one Full Block.
 
-Per step (`bind` .. `finish_step`), in vLLM's calling order:
+Per step (`bind` .. `flush`), in vLLM's calling order:
 
 1. `load()` before the forward: every planned block is read from the store into a staging
    Full Block (one `preadv`, CRC32C verified). A block that is missing or corrupt (the store
@@ -167,9 +167,8 @@ class KVWorker(WorkerRecord):
                 len(self.layer_names), len(loads), self.page_bytes)
 
         # Each read's per-layer pieces are numpy views of one numpy array: a torch index and
-        # `.numpy()` per piece held the GIL about 1 ms a block at 64 layers, which serialized
-        # 16 reader threads (16-token blocks on a 16-core GPU host: 2.0 GB/s with 16 threads
-        # or 1, against 4.7 read straight into host KV).
+        # `.numpy()` per piece hold the GIL for every layer of every block, which serializes
+        # the reader threads.
         staging_np = staging.numpy() if staging is not None else None
 
         def read(n: int, key: bytes, rows: list[int | None]) -> bool:

@@ -72,9 +72,8 @@ def scatter_pages(kv: torch.Tensor, block_ids: torch.Tensor | Sequence[int],
                   pages: torch.Tensor, reuses_pages: bool = False) -> None:
     """`kv[block_ids[j]] = page j` for every row of `pages` (uint8 [n, page_bytes], any row
     stride). On a GPU one host-to-device copy and one `index_copy_`; on the host a `copy_`
-    per page, a memcpy each (torch's CPU `index_copy_` moves 0.3 GB/s here, per-page copies
-    9 GB/s). `reuses_pages`: the caller refills `pages` next, so the host-to-device copy
-    is waited for."""
+    per page, a memcpy each (torch's CPU `index_copy_` is far slower). `reuses_pages`: the
+    caller refills `pages` next, so the host-to-device copy is waited for."""
     n = pages.shape[0]
     src = pages.view(kv.dtype).view(n, *kv.shape[1:])
     if kv.is_cuda:
