@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.model import model_from_hf_config, model_preset
+from dualpath.core.hf_config import model_from_hf_config
+from dualpath.core.model import model_preset
 from dualpath.core.read_rate import StorageReadModel, storage_read_model
 from dualpath.plan.advise import advise, bottleneck
 from dualpath.plan.capacity import OnlinePoint, point_spec, steady_point

@@ -13,7 +13,8 @@ from types import ModuleType
 
 import pytest
 
-from dualpath.core.model import model_from_hf_config, model_preset
+from dualpath.core.hf_config import model_from_hf_config
+from dualpath.core.model import model_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "tests" / "fixtures" / "aiconfigurator-0.12.0-qwen2.5-32b-h200.txt"

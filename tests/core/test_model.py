@@ -4,12 +4,11 @@ from pathlib import Path
 import pytest
 
 from dualpath.core.errors import DualPathError, UnknownPresetError
+from dualpath.core.hf_config import ConfigError, model_from_hf_config
 from dualpath.core.model import (
     MODEL_PRESETS,
     AttentionKind,
-    ConfigError,
     ModelSpec,
-    model_from_hf_config,
     model_preset,
 )
 

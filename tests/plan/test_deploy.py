@@ -13,7 +13,8 @@ from dualpath.cli.main import build_parser, main
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import SpecError
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.model import model_from_hf_config, model_preset
+from dualpath.core.hf_config import model_from_hf_config
+from dualpath.core.model import model_preset
 from dualpath.core.units import GB
 from dualpath.plan.deploy import deployment, render, staging_of
 from dualpath.plan.runner import mal_tokens

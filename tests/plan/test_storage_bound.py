@@ -9,7 +9,7 @@ import pytest
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.hardware import hardware_preset
-from dualpath.core.model import model_from_hf_config
+from dualpath.core.hf_config import model_from_hf_config
 from dualpath.core.read_rate import StorageReadModel
 from dualpath.plan.storage_bound import StorageBound, storage_bound
 

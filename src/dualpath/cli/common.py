@@ -14,13 +14,8 @@ from typing import Any
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.errors import DualPathError
 from dualpath.core.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
-from dualpath.core.model import (
-    KV_DTYPE_BYTES,
-    MODEL_PRESETS,
-    ModelSpec,
-    model_from_hf_config,
-    model_preset,
-)
+from dualpath.core.hf_config import KV_DTYPE_BYTES, model_from_hf_config
+from dualpath.core.model import MODEL_PRESETS, ModelSpec, model_preset
 from dualpath.core.read_rate import StorageReadModel, parse_storage_read, storage_read_model
 from dualpath.core.units import GB
 

@@ -273,7 +273,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from dualpath.core.model import model_from_hf_config
+    from dualpath.core.hf_config import model_from_hf_config
     from dualpath.integrations.vllm.connector.step_plan import storage_read_disciplines
     from dualpath.integrations.vllm.profiler import (
         DEFAULT_VLLM_GRID,
