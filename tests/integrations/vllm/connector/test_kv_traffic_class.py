@@ -1,7 +1,8 @@
-"""The connector's KV traffic class reaches both ends of its NIXL transfers and nothing else:
-the prefill worker's agent (its UCX backend's parameters) and the decode node's staging
-service, a process of its own (its UCX context listens where the class's TCP ports say, which
-only the backend's settings can make it do), while the bytes still move."""
+"""The connector's KV traffic class, from its `kv_connector_extra_config`, reaches both ends
+of its NIXL transfers (`WorkerSide`, what the connector builds per worker): the prefill
+worker's agent (its UCX backend's parameters) and the decode node's staging service, a process
+of its own (its UCX context listens where the class's TCP ports say, which only the backend's
+settings can make it do), while the bytes still move; a bad value is refused naming its key."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 pytest.importorskip("nixl", reason="nixl (UCX) is part of make setup")
 
 from dualpath.core.blocks import block_keys
+from dualpath.core.errors import SpecError
 from dualpath.integrations.vllm.cluster.ports import free_port
-from dualpath.integrations.vllm.connector.kvio import KVWorker
-from dualpath.integrations.vllm.connector.remote import PrefillRemote
+from dualpath.integrations.vllm.connector.layout import Layout
 from dualpath.integrations.vllm.connector.side_channel.service import spawn_side_channel
 from dualpath.integrations.vllm.connector.step_plan import BlockTransfer, RemoteLoad
+from dualpath.integrations.vllm.connector.worker_side import WorkerSide
+from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import BlockStore
 from dualpath.transport.traffic_class import KVTrafficClass
 
@@ -29,6 +32,16 @@ PAGE = HEADS * BS * CH * 4
 FULL = len(LAYERS) * PAGE
 PORTS = (20032, 20047)
 KV = KVTrafficClass(ib_sl=2, traffic_class=72, tcp_ports=PORTS)
+
+
+class Extra:
+    """vLLM's `KVTransferConfig` as the connector reads it."""
+
+    def __init__(self, **extra: object) -> None:
+        self.extra = extra
+
+    def get_from_extra_config(self, key: str, default: object) -> object:
+        return self.extra.get(key, default)
 
 
 def listening_ports(pid: int) -> list[int]:
@@ -56,21 +69,44 @@ def test_both_ends_of_the_kv_transfers_carry_the_class(tmp_path: Path) -> None:
     block = torch.randint(0, 255, (FULL,), dtype=torch.uint8)
     store.put(key, block.numpy().data)
     address = f"127.0.0.1:{free_port()}"
-    proc, pool = spawn_side_channel(address, str(store.root), FULL, 2, None, None, "ns",
-                                    traffic_class=KV)
+    layout = Layout(BS, LAYERS, PAGE, b"ns")
+    extra = {"kv_ib_sl": 2, "kv_traffic_class": 72}
+    decode = WorkerSide(store, layout, "decode", Extra(side_channel=address, staging_blocks=2,
+                                                       **extra), Shard(), None, None, None)
+    prefill_side = WorkerSide(store, layout, "prefill", Extra(**extra), Shard(), None, False,
+                              None)
     try:
         kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, CH) for n in LAYERS}
-        prefill = PrefillRemote(KVWorker(store, LAYERS, PAGE), kv, traffic_class=KV)
-        assert prefill.pull_whole(RemoteLoad("x", address, BlockTransfer(
+        prefill_side.register(kv)
+        assert prefill_side.prefill is not None
+        assert prefill_side.prefill.pull_whole(RemoteLoad("x", address, BlockTransfer(
             "r", 0, (1,), (key,)))) == 1
         assert torch.equal(kv[LAYERS[0]][1].contiguous().view(-1).view(torch.uint8),
                            block[:PAGE])
-        assert prefill.peers.link.backend_params()["engine_config"] == \
-            "IB_SL=2,IB_TRAFFIC_CLASS=72,TCP_PORT_RANGE=20032-20047"
+        assert prefill_side.prefill.peers.link.backend_params()["engine_config"] == \
+            "IB_SL=2,IB_TRAFFIC_CLASS=72"
+    finally:
+        prefill_side.close()
+        decode.close()
+
+
+def test_the_staging_service_gets_the_class(tmp_path: Path) -> None:
+    """Its UCX context listens inside the class's ports: only the backend's settings do that."""
+    store = BlockStore(tmp_path / "store", FULL, is_durable=False)
+    address = f"127.0.0.1:{free_port()}"
+    proc, pool = spawn_side_channel(address, str(store.root), FULL, 2, None, None, "ns",
+                                    traffic_class=KV)
+    try:
         service = listening_ports(proc.pid)
         assert any(PORTS[0] <= p <= PORTS[1] for p in service), service
-        prefill.close()
         pool.close()
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_bad_class_is_refused_naming_its_key(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path / "store", FULL, is_durable=False)
+    with pytest.raises(SpecError, match="kv_connector_extra_config.kv_ib_sl"):
+        WorkerSide(store, Layout(BS, LAYERS, PAGE, b"ns"), "prefill", Extra(kv_ib_sl=99),
+                   Shard(), None, False, None)

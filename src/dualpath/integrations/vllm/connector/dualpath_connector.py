@@ -17,7 +17,10 @@ staging buffer, in GB, default 2, or in Full Blocks), `store_capacity_gb` (the s
 about that many GB, evicting the least recently used blocks; default none: every block),
 `blocks_per_file` (vLLM blocks per store file, an integer >= 1; default: files of at least 128
 tokens, `max(1, 128 // block_size)`, so 8 for vLLM's 16-token blocks, 1 for 128-token ones;
-every instance on a store must use the same, and the router reads it from the manifest).
+every instance on a store must use the same, and the router reads it from the manifest),
+`kv_ib_sl` / `kv_traffic_class` (the InfiniBand service level, 0-15, and RoCE traffic class,
+0-255, of the P/D KV transfers, set on the connector's NIXL agents' UCX contexts only; default:
+the fabric's; `transport.traffic_class`).
 
 On every instance, every full block of every request is persisted when the step that
 computes its last token ends; a later request whose prefix is

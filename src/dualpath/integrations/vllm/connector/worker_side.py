@@ -29,6 +29,7 @@ from dualpath.integrations.vllm.connector.worker_record import WorkerCounters
 from dualpath.integrations.vllm.manifest import Shard
 from dualpath.store import BlockStore
 from dualpath.transport.pacing import Pacer
+from dualpath.transport.traffic_class import KVTrafficClass
 
 if TYPE_CHECKING:
     from dualpath.integrations.vllm.connector.vllm_metrics import DualPathStats
@@ -55,6 +56,9 @@ class WorkerSide:
         """Prefill: DE pulls and pushes through pinned host buffers (None: where the KV is on
         a GPU; `PrefillRemote`)."""
         self.storage_read_gbps = storage_read_gbps
+        self.traffic_class = KVTrafficClass.from_extra_config(extra.get_from_extra_config)
+        """The fabric class of this worker's NIXL transfers, both ends (`kv_ib_sl`,
+        `kv_traffic_class`)."""
         self.prefill: PrefillRemote | None = None
         self.decode: DecodeRemote | None = None
         self.side_address: str | None = None
@@ -107,7 +111,8 @@ class WorkerSide:
             self.storage_read_gbps, extra.get_from_extra_config("event_log", None),
             self.layout.namespace.hex(),
             read_threads=int(extra.get_from_extra_config("read_threads", 16)),
-            blocks_per_file=self.layout.blocks_per_file, secret=self.secret)
+            blocks_per_file=self.layout.blocks_per_file, secret=self.secret,
+            traffic_class=self.traffic_class)
         self.side_pool = pool
         self.side_address = str(address)
         self.decode = DecodeRemote(self.kv, pool)
@@ -121,7 +126,7 @@ class WorkerSide:
             # Through pinned host buffers where the KV is on a GPU, unless said otherwise:
             # without GPUDirect RDMA, UCX emulates host <-> VRAM transfers over TCP.
             self.prefill = PrefillRemote(self.kv, kv_caches, self.host_bounce,
-                                         secret=self.secret)
+                                         secret=self.secret, traffic_class=self.traffic_class)
             self.loader = AsyncLoader(self.kv, self.prefill)
 
     def close(self) -> None:
