@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 from dualpath.core.cluster import ClusterSpec
 from dualpath.core.datafile import write_text_atomic
@@ -132,7 +131,3 @@ def user_setup(name: str) -> UserSetup:
                         if cluster.tensor_parallel_size > 1 else ""),
                      hardware=cluster.hardware.name, path=path)
 
-
-def read_user_setup(name: str) -> tuple[ClusterSpec, Any]:
-    """(cluster, workload spec) of a `cluster:FILE` name."""
-    return _read(name[len(USER_PREFIX):])
