@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -106,6 +107,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "makes them PIECEWISE for the connector); default: --enforce-eager")
     up.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="ranks per instance (default: %(default)s)")
+    up.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                    help="data-parallel ranks per instance, each a server on its own port "
+                    "(vLLM's external load balancing); the router takes each rank as an "
+                    "engine and an instance's ranks as one node (default: %(default)s)")
     up.add_argument("--gpus", metavar="IDS", help="comma-separated GPU ids shared out in "
                     "order, --tensor-parallel-size per instance (CUDA_VISIBLE_DEVICES of "
                     "each); default: not set")
@@ -262,6 +267,7 @@ def run_up(args: argparse.Namespace) -> int:
                                async_loads=args.loads == "async", dtype=args.dtype,
                                cuda_graphs=args.cuda_graphs,
                                tensor_parallel_size=args.tensor_parallel_size,
+                               data_parallel_size=args.data_parallel,
                                gpus=tuple(g for g in (args.gpus or "").split(",") if g),
                                address=args.address, first_port=args.port,
                                first_side_port=args.side_port,
@@ -273,6 +279,13 @@ def run_up(args: argparse.Namespace) -> int:
                 print("  " + line, file=sys.stderr)
             instances = router_args([(i.role, i.url, i.side_channel)
                                      for i in cluster.instances])
+            if spec.data_parallel_size > 1:  # the ranks' nodes: an instances file
+                listing = log_dir / "instances.jsonl"
+                listing.write_text("".join(json.dumps(
+                    {"role": i.role, "url": i.url, "node": i.node,
+                     **({"side": i.side_channel} if i.side_channel else {})}) + "\n"
+                    for i in cluster.instances), encoding="utf-8")
+                instances = ["--instances", str(listing)]
             cluster.supervise(_say, restart=args.restart)
             if args.role is not None:
                 _say(f"{args.role} servers up; the router's arguments for them:")

@@ -60,8 +60,17 @@ def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | Non
 
 
 def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
-                   chat_template: Path | None = None, host: str = "127.0.0.1") -> list[str]:
+                   chat_template: Path | None = None, host: str = "127.0.0.1",
+                   dp_rank: tuple[int, str, int] | None = None) -> list[str]:
+    """`dp_rank`: (rank, the rank 0 server's address, the ranks' RPC port) of a server that is
+    one data-parallel rank of an instance (`VllmClusterSpec.data_parallel_size`)."""
     template = ["--chat-template", str(chat_template)] if chat_template is not None else []
+    if dp_rank is not None:
+        rank, address, rpc_port = dp_rank
+        template += ["--data-parallel-size", str(spec.data_parallel_size),
+                     "--data-parallel-rank", str(rank), "--data-parallel-external-lb",
+                     "--data-parallel-address", address,
+                     "--data-parallel-rpc-port", str(rpc_port)]
     eager = [] if spec.cuda_graphs else ["--enforce-eager"]
     parallel = ["--tensor-parallel-size", str(spec.tensor_parallel_size)] \
         if spec.tensor_parallel_size > 1 else []

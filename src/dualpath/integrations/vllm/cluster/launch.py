@@ -83,6 +83,9 @@ class Instance:
     """Died and not restarted (`supervise(restart=False)`)."""
     kv_events: str | None = None
     """Where its KV events are published (`tcp://host:port`; `VllmClusterSpec.kv_events`)."""
+    node: str = ""
+    """The instance a data-parallel rank belongs to (its name when it has one rank): the
+    router's node of engines."""
 
     @property
     def url(self) -> str:
@@ -155,8 +158,11 @@ class VllmCluster:
         if template is None and not has_chat_template(spec.model):
             template = log_dir / "chatml.jinja"
             template.write_text(CHATML_TEMPLATE, encoding="utf-8")
-        roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        dp = spec.data_parallel_size
+        roles = ["prefill"] * spec.num_prefill * dp + ["decode"] * spec.num_decode * dp
         counts = {"prefill": 0, "decode": 0}
+        dp_group: tuple[str, int] = ("", 0)
+        """A data-parallel instance's rank 0 address and its ranks' RPC port."""
         binding = cpu_binding(spec, len(roles))
         taken: set[int] = set()
         try:
@@ -167,7 +173,9 @@ class VllmCluster:
                 self.hosts = netns.Hosts()
                 env.update(netns.HOST_ENV)
             for role, bind in zip(roles, binding, strict=True):
-                name = f"{role}{counts[role]}"
+                node = f"{role}{counts[role] // dp}"
+                rank = counts[role] % dp
+                name = node if dp == 1 else f"{node}-r{rank}"
                 counts[role] += 1
                 host = self.hosts.add() if self.hosts is not None else None
                 address = host.address if host is not None else spec.address or "127.0.0.1"
@@ -189,8 +197,11 @@ class VllmCluster:
                 config = stock.kv_transfer_config(
                     role, spec.store, spec.storage_read_gbps, spec.stock_fs_tier) \
                     if is_stock else kv_transfer_config(spec, role, side, events)
+                if dp > 1 and rank == 0:
+                    dp_group = (address, free_port(taken))
                 cmd = server_command(spec, port, config, template,
-                                     "0.0.0.0" if spec.address else address)
+                                     "0.0.0.0" if spec.address else address,
+                                     (rank, *dp_group) if dp > 1 else None)
                 kv_events = None
                 if spec.kv_events:
                     events_port = free_port(taken)
@@ -209,7 +220,7 @@ class VllmCluster:
                     name, role, port, side, self._popen(command, inst_env, log), log_path,
                     events, log, address, host.netns if host is not None else None,
                     bind.get("VLLM_CPU_OMP_THREADS_BIND", ""), tag, command, inst_env,
-                    started_at=time.monotonic(), kv_events=kv_events))
+                    started_at=time.monotonic(), kv_events=kv_events, node=node))
             for inst in self.instances:
                 self._wait_healthy(inst)
         except BaseException:

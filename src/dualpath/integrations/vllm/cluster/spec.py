@@ -54,6 +54,10 @@ class VllmClusterSpec:
     tensor_parallel_size: int = 1
     """Ranks per instance (`--tensor-parallel-size`); a decode instance's ranks serve their
     side channels on consecutive ports."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks per instance, each a server of its own on its own port (vLLM's
+    external load balancing, `--data-parallel-rank`): the router takes each rank as an
+    engine, the ranks of one instance as one node (`Instance.node`)."""
     gpus: tuple[str, ...] = ()
     """GPU ids to share out: instance `i` gets `CUDA_VISIBLE_DEVICES` of the ids
     `[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)` (empty: not set)."""
@@ -105,14 +109,20 @@ class VllmClusterSpec:
         if self.tensor_parallel_size < 1:
             raise SpecError("vllm cluster", "tensor_parallel_size", self.tensor_parallel_size,
                             "must be >= 1")
-        need = (self.num_prefill + self.num_decode) * self.tensor_parallel_size
+        if self.data_parallel_size < 1:
+            raise SpecError("vllm cluster", "data_parallel_size", self.data_parallel_size,
+                            "must be >= 1")
+        need = (self.num_prefill + self.num_decode) * self.tensor_parallel_size \
+            * self.data_parallel_size
         if self.gpus and len(self.gpus) < need:
             raise SpecError("vllm cluster", "gpus", ",".join(self.gpus),
                             f"{self.num_prefill + self.num_decode} instances x "
-                            f"{self.tensor_parallel_size} ranks need {need} GPUs")
+                            f"{self.data_parallel_size * self.tensor_parallel_size} ranks "
+                            f"need {need} GPUs")
 
     def instance_gpus(self, index: int) -> dict[str, str]:
-        """The environment that gives instance `index` its GPUs (nothing without `gpus`)."""
+        """The environment that gives server `index` (an instance, or one data-parallel rank
+        of one) its GPUs (nothing without `gpus`)."""
         if not self.gpus:
             return {}
         tp = self.tensor_parallel_size
