@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dualpath.integrations.vllm.router.client import Pool, UpstreamError
 from dualpath.workload.replay import scale_lengths
 from dualpath.workload.synthetic import generate, preset
 from dualpath.workload.trajectory import Trajectory
@@ -62,6 +63,8 @@ from dualpath.workload.trajectory import Trajectory
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "tests" / "integrations" / "vllm" / "router" / "fake_instance.py"
 ENGINES_PER_NODE = 8
+NODES_PER_PROCESS = 8
+"""Stand-in nodes served by one process (each node reports for itself)."""
 NAMESPACE = "5c" * 16
 BLOCK_SIZE = 16
 BLOCKS_PER_FILE = 8
@@ -73,71 +76,6 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-# -- a small HTTP/1.1 client (keep-alive), cheap enough not to be the bottleneck ----------------
-class Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-
-class Client:
-    """POSTs and GETs to one `host:port` over a pool of kept-alive connections."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host = host
-        self.port = port
-        self.idle: list[Conn] = []
-
-    async def _conn(self) -> Conn:
-        if self.idle:
-            return self.idle.pop()
-        r, w = await asyncio.open_connection(self.host, self.port, limit=2**24)
-        return Conn(r, w)
-
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-        conn = await self._conn()
-        try:
-            conn.writer.write(head.encode() + body)
-            raw = await conn.reader.readuntil(b"\r\n\r\n")
-            status = int(raw[9:12])
-            length = None
-            is_chunked = False
-            is_close = False
-            for line in raw.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                if name == b"content-length":
-                    length = int(value)
-                elif name == b"transfer-encoding" and b"chunked" in value:
-                    is_chunked = True
-                elif name == b"connection" and b"close" in value.lower():
-                    is_close = True
-            if is_chunked:
-                data = b""
-                while True:
-                    size = int((await conn.reader.readuntil(b"\r\n")).strip(), 16)
-                    data += await conn.reader.readexactly(size + 2)
-                    if size == 0:
-                        break
-            else:
-                data = await conn.reader.readexactly(length or 0)
-        except BaseException:
-            conn.writer.close()
-            raise
-        if is_close:
-            conn.writer.close()
-        else:
-            self.idle.append(conn)
-        return status, data
-
-    def close(self) -> None:
-        for c in self.idle:
-            c.writer.close()
-        self.idle.clear()
 
 
 # -- the load: agents replaying trajectories ------------------------------------------------------
@@ -161,7 +99,7 @@ class Sample:
 class Load:
     """Turns at a Poisson rate, each the next turn of a free agent."""
 
-    def __init__(self, client: Client, trajectories: list[Trajectory], seed: int) -> None:
+    def __init__(self, client: Pool, trajectories: list[Trajectory], seed: int) -> None:
         self.client = client
         self.trajectories = trajectories
         self.rng = random.Random(seed)
@@ -186,8 +124,9 @@ class Load:
         self.in_flight += 1
         began = time.perf_counter()
         try:
-            status, data = await self.client.request("POST", "/v1/completions", body)
-        except (OSError, asyncio.IncompleteReadError) as e:
+            reply = await self.client.request("POST", "/v1/completions", body)
+            status, data = reply.status, reply.body
+        except UpstreamError as e:
             status, data = 599, str(e).encode()
         finally:
             self.in_flight -= 1
@@ -261,19 +200,26 @@ def cluster(args: argparse.Namespace, engines: int, store: Path) -> Iterator[Clu
     ports (one node each; a node holds one role), and the router over them; with `--reports
     push` each process reports its node to the router."""
     num_nodes = engines // ENGINES_PER_NODE
+    half = num_nodes // 2
+    # A process serves nodes of one role: the prefill nodes' processes, then the decode ones'.
+    groups = [list(range(a, min(a + NODES_PER_PROCESS, b)))
+              for a0, b in ((0, half), (half, num_nodes))
+              for a in range(a0, b, NODES_PER_PROCESS)]
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[list[str]] = []
     c = Cluster(engines, [], [], [], [], procs)
     router_port = free_ports(1)[0]
     try:
-        for n in range(num_nodes):
-            cmd = [sys.executable, str(STANDIN), "--ports", str(ENGINES_PER_NODE),
+        for nodes in groups:
+            n = nodes[0]
+            cmd = [sys.executable, str(STANDIN), "--ports",
+                   str(ENGINES_PER_NODE * len(nodes)), "--node-size", str(ENGINES_PER_NODE),
                    "--prefill-ms", str(args.prefill_ms), "--decode-ms", str(args.decode_ms),
                    "--store", str(store), "--namespace", NAMESPACE,
                    "--block-size", str(BLOCK_SIZE), "--blocks-per-file", str(BLOCKS_PER_FILE),
                    "--kv-blocks", str(args.kv_blocks)]
             if args.reports == "push":
-                cmd += ["--report-to", f"http://127.0.0.1:{router_port}", "--node", f"n{n}",
+                cmd += ["--report-to", f"http://127.0.0.1:{router_port}", "--node", f"p{n}",
                         "--report-interval", str(args.poll_interval)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE))
         for p in procs:
@@ -282,10 +228,9 @@ def cluster(args: argparse.Namespace, engines: int, store: Path) -> Iterator[Clu
             if not line:
                 raise RuntimeError("a stand-in process exited before it served")
             urls.append([f"http://127.0.0.1:{port}" for port in json.loads(line)])
-        half = num_nodes // 2
-        for n, node_urls in enumerate(urls):
-            (c.prefill if n < half else c.decode).extend(node_urls)
-            c.nodes.extend([n] * len(node_urls))
+        for nodes, proc_urls in zip(groups, urls, strict=True):
+            (c.prefill if nodes[0] < half else c.decode).extend(proc_urls)
+            c.nodes.extend(n for n in nodes for _ in range(ENGINES_PER_NODE))
         c.sides = [f"127.0.0.1:{p}" for p in free_ports(len(c.decode))]
         start_router(args, c, store, router_port)
         yield c
@@ -329,14 +274,11 @@ def start_router(args: argparse.Namespace, c: Cluster, store: Path, port: int) -
     if args.profile:  # CPU time, not wall time: this machine's cores are shared
         out = Path(args.out) / f"router_{c.engines}.prof"
         cmd = [sys.executable, "-c", PROFILED.format(out=str(out)), *cmd[3:]]
-    c.router = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert c.router.stderr is not None
-    line = ""
-    while "dualpath route: http://" not in line:
-        line = c.router.stderr.readline()
-        if not line:
-            raise RuntimeError("the router exited before it served")
-    c.router_url = line.split("dualpath route: ", 1)[1].split("/v1", 1)[0]
+    # Its log to a file: a pipe nobody reads would stop it once full.
+    log = Path(args.out) / f"router_{c.engines}.log"
+    with log.open("w") as f:
+        c.router = subprocess.Popen(cmd, stderr=f, text=True)
+    c.router_url = f"http://127.0.0.1:{port}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -346,20 +288,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def stats_of(client: Client) -> dict[str, Any]:
-    status, data = await client.request("GET", "/stats")
-    if status != 200:
-        raise RuntimeError(f"/stats answered {status}")
-    out: dict[str, Any] = json.loads(data)
+async def stats_of(client: Pool) -> dict[str, Any]:
+    reply = await client.request("GET", "/stats")
+    if reply.status != 200:
+        raise RuntimeError(f"/stats answered {reply.status}")
+    out: dict[str, Any] = reply.json()
     return out
 
 
-async def wait_healthy(client: Client, timeout_s: float) -> None:
+async def wait_healthy(client: Pool, timeout_s: float) -> None:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            status, data = await client.request("GET", "/health")
-            if status == 200 and json.loads(data)["status"] == "ok":
+        with contextlib.suppress(UpstreamError):
+            reply = await client.request("GET", "/health", timeout_s=5)
+            if reply.status == 200 and reply.json()["status"] == "ok":
                 return
         await asyncio.sleep(0.2)
     raise RuntimeError("the router did not report every instance up in time")
@@ -368,8 +310,7 @@ async def wait_healthy(client: Client, timeout_s: float) -> None:
 async def measure(args: argparse.Namespace, c: Cluster,
                   trajectories: list[Trajectory]) -> list[dict[str, Any]]:
     assert c.router is not None
-    host, port = c.router_url.split("//", 1)[1].rsplit(":", 1)
-    client = Client(host, int(port))
+    client = Pool(c.router_url, connect_timeout_s=10, read_timeout_s=120, max_idle=4096)
     await wait_healthy(client, 60 + c.engines / 10)
     pid = c.router.pid
     # Idle: the cost of keeping the instances' state, with no request.
@@ -406,7 +347,7 @@ async def measure(args: argparse.Namespace, c: Cluster,
             "schedule_us_per_call": sched_s * 1e6 / max(1, calls),
             "schedule_us_per_request": sched_s * 1e6 / max(1, num_done),
             "mean_prompt_tokens": statistics.mean(x.prompt_tokens for x in ok) if ok else 0,
-            "agents": load.num_agents, **idle,
+            "agents": load.num_agents, "loadavg_1m": os.getloadavg()[0], **idle,
         }
         row["holds"] = (row["sustained_per_s"] >= 0.95 * row["offered_per_s"]
                         and row["errors"] == 0 and row["added_p99_ms"] < args.max_p99_ms)
@@ -421,7 +362,8 @@ async def measure(args: argparse.Namespace, c: Cluster,
 
 HEADER = (f"{'engines':>7} {'rate':>6} {'offered':>8} {'sustained':>9} {'err':>4} "
           f"{'p50 ms':>7} {'p99 ms':>7} {'cpu ms/req':>10} {'cpu s/s':>7} "
-          f"{'sched us/call':>13} {'sched us/req':>12} {'prompt':>6} {'holds':>5}")
+          f"{'sched us/call':>13} {'sched us/req':>12} {'prompt':>6} {'holds':>5} "
+          f"{'load':>5}")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -430,7 +372,7 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['added_p99_ms']:>7.2f} {r['router_cpu_ms_per_request']:>10.3f} "
             f"{r['router_cpu_s_per_s']:>7.2f} {r['schedule_us_per_call']:>13.1f} "
             f"{r['schedule_us_per_request']:>12.1f} {r['mean_prompt_tokens']:>6.0f} "
-            f"{'yes' if r['holds'] else 'NO':>5}")
+            f"{'yes' if r['holds'] else 'NO':>5} {r['loadavg_1m']:>5.1f}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -197,7 +197,8 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str],
 class Pool:
     """One instance's kept-alive connections (`base_url`: `http://host:port`)."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(self, base_url: str, connect_timeout_s: float, read_timeout_s: float,
+                 max_idle: int = MAX_IDLE) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"{base_url}: only http://host:port is supported")
@@ -206,6 +207,7 @@ class Pool:
         self.authority = parts.netloc
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.max_idle = max_idle
         self._idle: list[_Conn] = []
 
     async def _connect(self) -> _Conn:
@@ -231,7 +233,7 @@ class Pool:
         return None
 
     def release(self, conn: _Conn) -> None:
-        if len(self._idle) >= MAX_IDLE or conn.writer.is_closing():
+        if len(self._idle) >= self.max_idle or conn.writer.is_closing():
             conn.close()
             return
         conn.idle_at = time.monotonic()
