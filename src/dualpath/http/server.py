@@ -70,7 +70,10 @@ class ServerConfig:
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A listening TCP socket on `host` (IPv4 or IPv6) and `port` (0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP
+    # (0 does not), and without it a kept-alive response's head and body, written apart,
+    # wait for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
