@@ -8,7 +8,9 @@ Units: every bandwidth flag is in GB/s (10^9 bytes per second) and says so in it
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from dualpath.core.cluster import ClusterSpec
@@ -39,6 +41,12 @@ class _Refused(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {option_string}: {self.hint}\n")
+
+
+def out_dir(name: str) -> Path:
+    """Where a command writes what it generates unless told: `$DUALPATH_OUT/<name>`, else
+    `out/<name>` (git-ignored), never a tracked folder."""
+    return Path(os.environ.get("DUALPATH_OUT", "out")) / name
 
 
 def refuse_flags(parser: argparse.ArgumentParser, hints: Mapping[str, str]) -> None:

@@ -14,6 +14,7 @@ from dualpath.cli.common import (
     add_cluster_args,
     add_storage_read_arg,
     cluster_from_args,
+    out_dir,
     refuse_flags,
     storage_read_from_args,
 )
@@ -60,9 +61,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--quick", action="store_true", help="600 s simulated runs instead of 7,200")
     p.add_argument("--duration", type=float, default=0.0, metavar="S",
                    help="simulated seconds per online run (default: 600 quick, 7,200 full)")
-    p.add_argument("--out", type=Path, default=Path("advise_out"),
+    p.add_argument("--out", type=Path, default=None,
                    help="folder for advise.csv, section_advise.md and the planned cluster's "
-                   "cluster.json (default: %(default)s)")
+                   "cluster.json (default: $DUALPATH_OUT/advise, else out/advise)")
     p.add_argument("--jobs", type=int, default=0, metavar="N",
                    help="capacity searches run in N processes (default: the machine's cores); "
                    "results are identical to a serial run")
@@ -124,6 +125,8 @@ def parse_pd(text: str) -> list[tuple[int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is None:
+        args.out = out_dir("advise")
     pds = parse_pd(args.pd)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:

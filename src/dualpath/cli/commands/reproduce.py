@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from dualpath.cli.common import out_dir
 from dualpath.core.errors import DualPathError
 from dualpath.plan.ray_backend import RAY_HELP, join
 from dualpath.plan.runner import Runner, RunSpec
@@ -92,7 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def default_out() -> Path:
     """`$DUALPATH_OUT/reproduce`, else `out/reproduce`: never a tracked folder."""
-    return Path(os.environ.get("DUALPATH_OUT", "out")) / "reproduce"
+    return out_dir("reproduce")
 
 
 def _csv(text: str | None) -> tuple[str, ...]:
