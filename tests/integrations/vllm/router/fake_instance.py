@@ -141,6 +141,7 @@ class Fleet:
             self.saver = Saver(Path(args.store), manifest)
         self.instances: dict[int, Instance] = {}
         self.servers: list[asyncio.Server] = []
+        self.tasks: list[asyncio.Task[None]] = []
 
     def record(self, record: dict[str, Any]) -> None:
         if self.log:
@@ -344,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(0: none shown)")
     ap.add_argument("--report-to", metavar="URL", help="push this node's state to a router")
     ap.add_argument("--node", default="node", help="this node's name in its reports")
+    ap.add_argument("--node-size", type=int, default=0, help="report the ports as nodes of "
+                    "this many, named NODE-0, NODE-1, ... (0: one node of all)")
     ap.add_argument("--report-interval", type=float, default=0.5)
     return ap.parse_args(argv)
 
@@ -356,9 +359,13 @@ async def run(args: argparse.Namespace) -> None:
     if args.report_to:
         from dualpath.integrations.vllm.router.reporter import report_forever
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        reporting = asyncio.create_task(report_forever(
-            args.report_to, args.node, urls, fleet.state_of, args.report_interval))
-        reporting.add_done_callback(lambda t: t.cancelled() or t.result())
+        size = args.node_size or len(urls)
+        for k in range(0, len(urls), size):
+            node = args.node if size == len(urls) else f"{args.node}-{k // size}"
+            reporting = asyncio.create_task(report_forever(
+                args.report_to, node, urls[k:k + size], fleet.state_of, args.report_interval))
+            reporting.add_done_callback(lambda t: t.cancelled() or t.result())
+            fleet.tasks.append(reporting)  # held: the loop keeps only weak references
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
