@@ -14,6 +14,8 @@ from dualpath.integrations.vllm.cluster.spec import VllmClusterSpec
 
 
 def test_each_rank_is_a_server_and_an_instance_is_a_node(stand_in: Path) -> None:  # noqa: F811
+    # A mixture-of-experts model's config: vLLM runs real data-parallel ranks for it.
+    (stand_in / "config.json").write_text('{"num_local_experts": 8}')
     spec = VllmClusterSpec(model=str(stand_in), store=stand_in / "store",
                            python=sys.executable, data_parallel_size=2, startup_timeout_s=60)
     with VllmCluster(spec) as cluster:
@@ -36,3 +38,16 @@ def test_each_rank_is_a_server_and_an_instance_is_a_node(stand_in: Path) -> None
         # The ranks of an instance share one RPC port; the two instances do not.
         assert all(len(ports) == 1 for ports in rpc.values())
         assert rpc["prefill0"] != rpc["decode0"]
+
+
+def test_a_dense_models_ranks_are_independent_servers(stand_in: Path) -> None:  # noqa: F811
+    # vLLM refuses --data-parallel-* for a dense model: its ranks start without them.
+    (stand_in / "config.json").write_text('{"model_type": "llama"}')
+    spec = VllmClusterSpec(model=str(stand_in), store=stand_in / "store",
+                           python=sys.executable, data_parallel_size=2, num_decode=0,
+                           startup_timeout_s=60)
+    with VllmCluster(spec) as cluster:
+        assert [(i.name, i.node) for i in cluster.instances] == [
+            ("prefill0-r0", "prefill0"), ("prefill0-r1", "prefill0")]
+        for inst in cluster.instances:
+            assert not any(a.startswith("--data-parallel") for a in whoami(inst.url)["argv"])

@@ -34,6 +34,17 @@ def has_chat_template(model: str) -> bool:
     return False
 
 
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe(model: str) -> bool:
+    """Whether an HF-style model folder's `config.json` describes a mixture of experts."""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+        return any(config.get(k) for k in MOE_CONFIG_KEYS)
+    return False
+
+
 def kv_transfer_config(spec: VllmClusterSpec, role: str, side_channel: str | None,
                        event_log: Path | None) -> dict[str, Any]:
     extra: dict[str, Any] = {"store_path": str(spec.store), "durable": spec.durable}
@@ -63,9 +74,11 @@ def server_command(spec: VllmClusterSpec, port: int, config: dict[str, Any],
                    chat_template: Path | None = None, host: str = "127.0.0.1",
                    dp_rank: tuple[int, str, int] | None = None) -> list[str]:
     """`dp_rank`: (rank, the rank 0 server's address, the ranks' RPC port) of a server that is
-    one data-parallel rank of an instance (`VllmClusterSpec.data_parallel_size`)."""
+    one data-parallel rank of an instance (`VllmClusterSpec.data_parallel_size`). vLLM runs
+    data-parallel ranks only for mixture-of-experts models and refuses the options for others,
+    whose ranks are independent servers (as vLLM advises for them)."""
     template = ["--chat-template", str(chat_template)] if chat_template is not None else []
-    if dp_rank is not None:
+    if dp_rank is not None and is_moe(spec.model):
         rank, address, rpc_port = dp_rank
         template += ["--data-parallel-size", str(spec.data_parallel_size),
                      "--data-parallel-rank", str(rank), "--data-parallel-external-lb",

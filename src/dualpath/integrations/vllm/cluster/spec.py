@@ -56,8 +56,9 @@ class VllmClusterSpec:
     side channels on consecutive ports."""
     data_parallel_size: int = 1
     """Data-parallel ranks per instance, each a server of its own on its own port (vLLM's
-    external load balancing, `--data-parallel-rank`): the router takes each rank as an
-    engine, the ranks of one instance as one node (`Instance.node`)."""
+    external load balancing, `--data-parallel-rank`, for a mixture-of-experts model; a dense
+    model's ranks are independent servers): the router takes each rank as an engine, the
+    ranks of one instance as one node (`Instance.node`)."""
     gpus: tuple[str, ...] = ()
     """GPU ids to share out: instance `i` gets `CUDA_VISIBLE_DEVICES` of the ids
     `[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)` (empty: not set)."""
